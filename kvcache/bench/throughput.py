@@ -1,0 +1,171 @@
+"""`kvcache bench throughput`: kvcache against Hugging Face transformers on one seeded workload.
+
+Both engines run greedy, ignore EOS and produce exactly the requested output lengths;
+the transformers baseline uses `generate` on static, left-padded batches (what a
+server without continuous batching does). Each engine's peak resident memory is
+sampled while it runs; the machine's fp32 GEMM rate gives a roofline for both.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import threading
+import time
+from dataclasses import fields
+
+import psutil
+import torch
+
+from kvcache.bench.roofline import measure_gemm_gflops, workload_flops
+from kvcache.bench.workload import Workload, parse_range, random_workload
+from kvcache.config import EngineConfig
+
+
+class PeakRSS:
+    """Samples this process's resident memory every 20 ms while active."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._proc = psutil.Process()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __enter__(self) -> PeakRSS:
+        self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", default="64:512", help="prompt length range A:B (tokens)")
+    p.add_argument("--output-len", default="32:256", help="output length range A:B (tokens)")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--hf-batch-sizes", default="8,16,32", help="static batch sizes to try for transformers; "
+                   "the best one is the baseline")
+    p.add_argument("--json", default=None, help="write the results here")
+
+
+def _result(work: Workload, elapsed: float, peak: int, min_time: float) -> dict:
+    return {"elapsed_s": elapsed, "output_tokens_per_s": work.output_tokens / elapsed,
+            "total_tokens_per_s": (work.input_tokens + work.output_tokens) / elapsed,
+            "requests_per_s": len(work.prompts) / elapsed, "peak_rss_bytes": peak,
+            "roofline_fraction": min_time / elapsed}
+
+
+def run_kvcache(args: argparse.Namespace, work: Workload, min_time_fn) -> tuple[dict, dict]:
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.sampling_params import SamplingParams
+    with PeakRSS() as rss:
+        llm = LLM(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+        params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in work.output_lens]
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=True)
+        elapsed = time.perf_counter() - t
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    if got != work.output_lens:
+        raise RuntimeError("kvcache produced output lengths other than requested")
+    llm.engine.check_no_leaks()
+    info = llm.kv_cache_info()
+    res = _result(work, elapsed, rss.peak, min_time_fn())
+    res["num_preemptions"] = info["num_preemptions"]
+    res["kv_cache_bytes"] = info["total_bytes"]
+    cfg = llm.engine.model.config
+    del llm, outs
+    gc.collect()
+    return res, cfg
+
+
+def run_hf(model_path: str | None, work: Workload, batch_size: int, min_time: float) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from kvcache.models.loader import demo_model_path
+    path = model_path or demo_model_path()
+    with PeakRSS() as rss:
+        if os.path.isfile(path):
+            d, name = os.path.split(os.path.abspath(path))
+            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.eval()
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        t = time.perf_counter()
+        for i in range(0, len(work.prompts), batch_size):
+            prompts = work.prompts[i:i + batch_size]
+            new = max(work.output_lens[i:i + batch_size])
+            width = max(map(len, prompts))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                     do_sample=False, pad_token_id=pad)
+            if out.shape[1] != width + new:
+                raise RuntimeError("transformers stopped early")
+        elapsed = time.perf_counter() - t
+    del model
+    gc.collect()
+    res = _result(work, elapsed, rss.peak, min_time)
+    res["batch_size"] = batch_size
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.manual_seed(args.seed)
+    from kvcache.models.loader import read_config
+    gflops = measure_gemm_gflops()
+    cfg = read_config(args.model)
+    special = {t for t in (cfg.bos_token_id, cfg.eos_token_id, getattr(cfg, "pad_token_id", None)) if isinstance(t, int)}
+    work = random_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
+                           cfg.vocab_size, args.seed, special)
+    flops = workload_flops(cfg, work)
+    min_time = flops / (gflops * 1e9)
+    results: dict = {
+        "workload": {"num_prompts": len(work.prompts), "input_len": args.input_len, "output_len": args.output_len,
+                     "seed": args.seed, "input_tokens": work.input_tokens, "output_tokens": work.output_tokens},
+        "roofline": {"fp32_gemm_gflops": gflops, "workload_gflop": flops / 1e9, "min_time_s": min_time},
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+    }
+    results["kvcache"], _ = run_kvcache(args, work, lambda: min_time)
+    if args.baseline == "hf":
+        sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
+        by_size = {bs: run_hf(args.model, work, bs, min_time) for bs in sizes}
+        best = max(by_size.values(), key=lambda r: r["output_tokens_per_s"])
+        results["hf"] = dict(best, by_batch_size={str(k): v for k, v in by_size.items()})
+        results["speedup"] = results["kvcache"]["output_tokens_per_s"] / best["output_tokens_per_s"]
+    _print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _print_table(r: dict) -> None:
+    w, roof = r["workload"], r["roofline"]
+    print(f"\nworkload: {w['num_prompts']} prompts, input {w['input_len']} ({w['input_tokens']:,} tokens), "
+          f"output {w['output_len']} ({w['output_tokens']:,} tokens), seed {w['seed']}")
+    print(f"roofline: {roof['fp32_gemm_gflops']:.1f} GFLOP/s fp32 GEMM measured; workload {roof['workload_gflop']:,.0f} "
+          f"GFLOP -> {roof['min_time_s']:.1f} s at best")
+    rows = [("kvcache", r["kvcache"])]
+    if "hf" in r:
+        rows += [(f"transformers bs={k}", v) for k, v in r["hf"]["by_batch_size"].items()]
+    head = f"{'engine':<22}{'time s':>9}{'out tok/s':>11}{'total tok/s':>13}{'req/s':>8}{'peak RSS MiB':>14}{'roofline':>10}"
+    print(head)
+    print("-" * len(head))
+    for name, v in rows:
+        print(f"{name:<22}{v['elapsed_s']:>9.1f}{v['output_tokens_per_s']:>11.1f}{v['total_tokens_per_s']:>13.1f}"
+              f"{v['requests_per_s']:>8.2f}{v['peak_rss_bytes'] / 2**20:>14.0f}{v['roofline_fraction']:>9.0%}")
+    if "speedup" in r:
+        print(f"\nspeedup (output tokens/s) kvcache / best transformers (bs={r['hf']['batch_size']}): "
+              f"{r['speedup']:.2f}x")

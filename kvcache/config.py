@@ -1,0 +1,65 @@
+"""Engine configuration: one validated dataclass; CLI flags map onto it one to one (vLLM names)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import psutil
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+CPU_DEFAULT_KV_BYTES = 4 * 2**30  # vLLM's CPU backend default KV space
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """'4GiB', '512MiB', '2e9', 1073741824 -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        n = int(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read {value!r} as a size in bytes (examples: 4GiB, 512MiB, 2e9)")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"a memory size must be positive, got {value!r}")
+    return n
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine is started with. Sizes in tokens unless named otherwise."""
+
+    model: str | None = None  # HF directory or GGUF file; None = the demo model
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 128  # sequences in one step at most
+    max_num_batched_tokens: int = 1024  # tokens in one step at most (prefill chunks + decodes)
+    max_model_len: int | None = None  # prompt + output tokens; None = the model's context length
+    kv_cache_memory: int | str | None = None  # bytes for the KV cache; None = from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV cache
+    enable_chunked_prefill: bool = True
+    dtype: str = "auto"  # compute dtype: auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+
+    def default_kv_budget(self) -> int:
+        """KV bytes to allocate when kv_cache_memory is not given (CPU: 4 GiB, at most half of free RAM)."""
+        return min(CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 2)

@@ -1,0 +1,357 @@
+"""LLMEngine: requests in, one scheduled step at a time, outputs out."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.config import EngineConfig
+from kvcache.engine.model_runner import ModelRunner
+from kvcache.engine.sampler import SamplingRow, sample
+from kvcache.engine.sampling_params import SamplingParams
+from kvcache.engine.scheduler import Scheduler
+from kvcache.engine.sequence import Sequence, SequenceStatus
+from kvcache.memory.block_pool import OutOfBlocksError
+from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
+from kvcache.models.llama import head_dim_of
+from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
+from kvcache.plan.kv_bytes import AttentionShape, CacheCapacity, cache_capacity, kv_formula
+from kvcache.store.kv_store import KVStore
+
+log = logging.getLogger("kvcache")
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n samples."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic seconds) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    stream: bool
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    """Counters since start-up (tokens, requests, preemptions)."""
+
+    prompt_tokens: int = 0  # prompt tokens submitted
+    prefill_tokens_computed: int = 0  # tokens run through the model in prefill chunks (recompute included)
+    generation_tokens: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    peak_used_blocks: int = 0
+
+
+def _resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return torch.device(device), getattr(torch, dtype)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    `add_request` validates and queues; every `step()` runs one batch (decodes and
+    prefill chunks together) and returns the outputs of requests that finished, and
+    of streaming requests that received tokens.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device, self.dtype = _resolve_device_dtype(config)
+        loaded = loaded or read_checkpoint(config.model)
+        self.tokenizer = loaded.tokenizer
+        hf = loaded.config
+        model_len = getattr(hf, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.max_model_len or model_len
+        if self.max_model_len > model_len:
+            raise ValueError(f"max_model_len {self.max_model_len:,} exceeds the model's context length {model_len:,}")
+        self.model = build_model(loaded, self.max_model_len, self.device, self.dtype)
+        self.shape = AttentionShape(hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf))
+        self.kv_dtype = str(self.dtype).removeprefix("torch.")
+        budget = config.kv_cache_memory or self._default_budget()
+        self.capacity: CacheCapacity = cache_capacity(self.shape, self.kv_dtype, budget, config.block_size,
+                                                      self.max_model_len)
+        # One more physical block than the budget buys: block 0, the null block that pads tables.
+        self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size)
+        self.store = KVStore(hf.num_hidden_layers, self.capacity.num_blocks + 1, config.block_size,
+                             hf.num_key_value_heads, head_dim_of(hf), self.dtype, self.device)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(self.model, self.store, self.kv, self.device)
+        self.eos_token_ids = self._eos_ids(hf)
+        self.requests: dict[str, _Request] = {}
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+        self._pending_copies: list[tuple[int, int]] = []
+        c = self.capacity
+        log.info("KV cache: %s blocks x %d tokens = %s tokens, %.2f GiB (%s); maximum concurrency for %s "
+                 "tokens per request: %.2fx", f"{c.num_blocks:,}", c.block_size, f"{c.num_tokens:,}",
+                 c.total_bytes / 2**30, kv_formula(self.shape, self.kv_dtype), f"{c.max_model_len:,}",
+                 c.max_concurrency)
+
+    def _default_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(total * self.config.gpu_memory_utilization) - (total - free)
+        return self.config.default_kv_budget()
+
+    def _eos_ids(self, hf) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(hf, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(src)
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    stream: bool = False, add_special_tokens: bool = True) -> None:
+        """Validate and queue a request. Raises ValueError (and changes nothing) if it can never run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.model.config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        n_prompt = len(ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(f"prompt has {n_prompt:,} tokens; max_model_len is {self.max_model_len:,} "
+                             "(at least one output token must fit)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt has {n_prompt:,} tokens and max_tokens is {max_tokens:,}: "
+                             f"{n_prompt + max_tokens:,} is above max_model_len {self.max_model_len:,}")
+        need = blocks_for(n_prompt + max_tokens, self.config.block_size)
+        if need > self.kv.pool.num_usable:
+            raise ValueError(f"request needs {need:,} KV blocks ({n_prompt + max_tokens:,} tokens) but the whole "
+                             f"pool has {self.kv.pool.num_usable:,}; raise --kv-cache-memory or lower max_tokens")
+        req = _Request(request_id, text, ids, params, [], RequestMetrics(time.monotonic()), stream)
+        req.seqs.append(self._new_seq(req, 0, max_tokens))
+        self.requests[request_id] = req
+        self.stats.prompt_tokens += n_prompt
+        self.scheduler.add(req.seqs[0])
+
+    def _new_seq(self, req: _Request, index: int, max_tokens: int) -> Sequence:
+        gen = None
+        if req.params.seed is not None:
+            gen = torch.Generator(self.device).manual_seed(req.params.seed + index)
+        return Sequence(next(self._seq_ids), req.request_id, index, list(req.prompt_token_ids),
+                        len(req.prompt_token_ids), req.params, max_tokens, gen)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False if it is unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "abort")
+        self._count_finished("abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return outputs (see the class docstring)."""
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            if self.scheduler.has_work():
+                raise RuntimeError("scheduler made no progress: no sequence fits in the KV pool")
+            return []
+        now = time.monotonic()
+        for seq, n in sched.chunks:
+            req = self.requests[seq.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            if n > 1 or seq.num_computed_tokens == 0:
+                self.stats.prefill_tokens_computed += n
+        copies, self._pending_copies = self._pending_copies, []
+        sampled, logits = self.runner.execute(sched.chunks, copies)
+        for seq, n in sched.chunks:
+            seq.num_computed_tokens += n
+        self.stats.steps += 1
+        used = self.kv.pool.num_usable - self.kv.pool.num_free
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
+        touched = self._sample_and_append(sampled, logits)
+        return self._collect_outputs(touched)
+
+    def _sample_and_append(self, sampled: list[Sequence], logits: torch.Tensor) -> set[str]:
+        seqs, rows = [], []
+        forks: list[tuple[Sequence, Sequence]] = []
+        for i, seq in enumerate(sampled):
+            seqs.append(seq)
+            rows.append(i)
+            if seq.params.n > 1 and not seq.forked and seq.index == 0:
+                seq.forked = True
+                req = self.requests[seq.request_id]
+                for j in range(1, seq.params.n):
+                    child = self._new_seq(req, j, seq.max_tokens)
+                    req.seqs.append(child)
+                    forks.append((seq, child))
+                    seqs.append(child)
+                    rows.append(i)
+        idx = torch.tensor(rows, device=logits.device)
+        batch_logits = logits if len(rows) == logits.shape[0] else logits.index_select(0, idx)
+        result = sample(batch_logits, [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids)
+                                       for s in seqs], next(iter(self.eos_token_ids), None))
+        for parent, child in forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+            try:
+                copy = self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
+                if copy:
+                    self._pending_copies.append(copy)
+                self.scheduler.add_running(child)
+            except OutOfBlocksError:
+                child.num_computed_tokens = 0  # no block for its copy: recompute it later
+                self.scheduler.add(child)
+        now = time.monotonic()
+        touched = set()
+        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
+            seq.token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+                seq.cumulative_logprob += lp[token]
+            self.stats.generation_tokens += 1
+            req = self.requests[seq.request_id]
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+            touched.add(seq.request_id)
+        return touched
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if p.stop:
+                seq.text = self._detokenize(seq)
+                # Search only where a new match can start: the tail the new token touched.
+                tail = max(len(s) for s in p.stop) + 16
+                for s in p.stop:
+                    at = seq.text.find(s, max(0, len(seq.text) - tail))
+                    if at >= 0:
+                        seq.text = seq.text[:at]
+                        seq.stop_reason = s
+                        return "stop"
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _detokenize(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def _count_finished(self, reason: str) -> None:
+        self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
+
+    def _collect_outputs(self, touched: set[str]) -> list[RequestOutput]:
+        outs = []
+        for rid in touched:
+            req = self.requests[rid]
+            finished = req.finished
+            if not (finished or req.stream):
+                continue
+            outs.append(self._output(req, finished))
+            if finished:
+                req.metrics.finished_time = time.monotonic()
+                for s in req.seqs:
+                    self._count_finished(s.finish_reason or "stop")
+                del self.requests[rid]
+        return outs
+
+    def _output(self, req: _Request, finished: bool) -> RequestOutput:
+        comps = []
+        for s in sorted(req.seqs, key=lambda s: s.index):
+            text = s.text if s.stop_reason in s.params.stop else self._detokenize(s)
+            comps.append(CompletionOutput(s.index, text, s.output_token_ids, s.finish_reason, s.stop_reason,
+                                          s.logprobs if s.params.logprobs is not None else None,
+                                          s.cumulative_logprob if s.params.logprobs is not None else None))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished, req.metrics)
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    def kv_cache_info(self) -> dict:
+        """KV cache figures (bytes, blocks, tokens) as sized at start-up, plus current usage."""
+        c, pool = self.capacity, self.kv.pool
+        return {
+            "block_size": c.block_size, "num_blocks": c.num_blocks, "num_tokens": c.num_tokens,
+            "bytes_per_token": c.bytes_per_token, "total_bytes": c.total_bytes, "dtype": self.kv_dtype,
+            "max_model_len": c.max_model_len, "max_concurrency": c.max_concurrency,
+            "formula": kv_formula(self.shape, self.kv_dtype),
+            "free_blocks": pool.num_free, "used_blocks": pool.num_usable - pool.num_free,
+            "usage": 1 - pool.num_free / pool.num_usable, "peak_used_blocks": self.stats.peak_used_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+    def check_no_leaks(self) -> None:
+        """Raise if any block is held while no request is unfinished (used by tests and benchmarks)."""
+        pool = self.kv.pool
+        if not self.requests and (pool.num_free != pool.num_usable or self.kv.block_tables):
+            raise AssertionError(f"{pool.num_usable - pool.num_free} blocks still held with no request running")

@@ -1,0 +1,32 @@
+"""Turns a scheduled step into the batch tensors, runs the model, returns logits."""
+from __future__ import annotations
+
+import torch
+
+from kvcache.attention.metadata import SeqChunk, build_batch
+from kvcache.engine.sequence import Sequence
+from kvcache.memory.kv_cache_manager import KVCacheManager
+from kvcache.models.llama import LlamaModel
+from kvcache.store.kv_store import KVStore
+
+
+class ModelRunner:
+    """Owns the model and the KV store; knows nothing of queues or requests."""
+
+    def __init__(self, model: LlamaModel, store: KVStore, kv: KVCacheManager, device: torch.device) -> None:
+        self.model, self.store, self.kv, self.device = model, store, kv, device
+
+    def execute(self, chunks: list[tuple[Sequence, int]],
+                block_copies: list[tuple[int, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """Run one step. Returns the sequences that reached their last token and their fp32 logits [n, vocab]."""
+        self.store.copy_blocks(block_copies)
+        specs, sampled = [], []
+        for seq, n in chunks:
+            start = seq.num_computed_tokens
+            last = start + n == seq.num_tokens
+            specs.append(SeqChunk(seq.token_ids[start:start + n], start, self.kv.block_tables[seq.seq_id], last))
+            if last:
+                sampled.append(seq)
+        batch = build_batch(specs, self.store.block_size, self.model.windows, self.device)
+        logits = self.model(batch, self.store)
+        return sampled, logits.float()

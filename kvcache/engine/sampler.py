@@ -1,0 +1,273 @@
+"""Picks the next token of every sequence in a batch from its logits.
+
+Stages, in vLLM's order: logprobs of the raw logits; repetition, frequency and presence
+penalties; min_tokens masking of stop tokens; then argmax for greedy rows, or temperature,
+top-k, top-p, min-p and a draw for the others. Each stage runs only on the rows that need it,
+batched over those rows.
+
+Draws are inverse-CDF: one uniform number per row, searched in the row's cumulative weights.
+A seeded row takes its number from its own generator, and every stage works on each row
+independently of the others, so its tokens do not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+import array
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.engine.sampling_params import SamplingParams
+
+# Top-k/top-p rows look for their kept set among this many most likely tokens first, and
+# widen to the next size (the last being the whole vocabulary) only if it may lie beyond:
+# topk(64) costs ~1/40 of a full-vocabulary sort, and most rows are decided within it.
+CANDIDATE_WIDTHS = (64, 1024)
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of the batch's logits and what its sampler needs to know."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # per-request seeded generator, None = global RNG
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    # Per row, when params.logprobs is not None: {sampled id: logprob, top ids: logprob},
+    # from the raw logits (before penalties and temperature). Otherwise None.
+    logprobs: list[dict[int, float] | None]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None = None) -> SampleResult:
+    """Sample one token per row of logits [len(rows), vocab] (fp32).
+
+    logits is consumed: it is modified in place (penalties, masks, temperature), so pass a
+    copy if you need it afterwards.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {list(logits.shape)}")
+    logits = logits.float().contiguous()  # no-ops for the fp32 logits the runner produces
+
+    logprob_rows, greedy_rows, random_rows = [], [], []
+    processed = False
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.logprobs is not None:
+            logprob_rows.append(i)
+        processed = processed or _penalized(p) or len(row.output_token_ids) < p.min_tokens
+        (greedy_rows if p.greedy else random_rows).append(i)
+    if not (logprob_rows or processed or random_rows):
+        return SampleResult(logits.argmax(-1).tolist(), [None] * len(rows))
+
+    # vLLM returns logprobs of the model's distribution, not of the processed one.
+    raw_logprobs = _take(logits, logprob_rows).log_softmax(-1) if logprob_rows else None
+    if processed:
+        logits = apply_penalties(logits, rows)
+        _mask_stop_tokens(logits, rows, eos_token_id)
+
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    if greedy_rows:
+        _put(tokens, greedy_rows, _take(logits, greedy_rows).argmax(-1))
+    if random_rows:
+        _put(tokens, random_rows, _sample_random(_take(logits, random_rows), [rows[i] for i in random_rows]))
+
+    logprobs: list[dict[int, float] | None] = [None] * len(rows)
+    if logprob_rows:
+        sampled = _take(tokens, logprob_rows)
+        for i, d in zip(logprob_rows, _logprob_dicts(raw_logprobs, sampled, [rows[i].params.logprobs for i in logprob_rows])):
+            logprobs[i] = d
+    return SampleResult(tokens.tolist(), logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Apply repetition, frequency and presence penalties to logits [len(rows), vocab] in place.
+
+    repetition_penalty divides positive logits (multiplies negative ones) of tokens seen in the
+    prompt or the output; then frequency_penalty * count and presence_penalty * (count > 0) are
+    subtracted for tokens in the output. Returns logits (a contiguous copy if it was not).
+    Only the logits of seen tokens are read and written.
+    """
+    logits = logits.contiguous()
+    vocab = logits.shape[1]
+    flat = logits.view(-1)
+
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        seen = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep]
+        pos, owner = _positions(rep, seen, vocab, logits.device)
+        if pos.numel():
+            penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep],
+                                   dtype=logits.dtype, device=logits.device)[owner]
+            vals = flat[pos]
+            # A token seen twice is written twice, with the same value computed from the original.
+            flat[pos] = torch.where(vals > 0, vals / penalty, vals * penalty)
+
+    fp = [i for i, r in enumerate(rows) if r.params.frequency_penalty != 0 or r.params.presence_penalty != 0]
+    if fp:
+        pos, _ = _positions(fp, [rows[i].output_token_ids for i in fp], vocab, logits.device)
+        if pos.numel():
+            pos, counts = torch.unique(pos, return_counts=True)
+            row = pos // vocab
+            frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype, device=logits.device)
+            presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype, device=logits.device)
+            vals = flat[pos]
+            vals -= frequency[row] * counts
+            vals -= presence[row]
+            flat[pos] = vals
+    return logits
+
+
+def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply top-k, then top-p, then min-p to rows of probabilities [len(params), vocab].
+
+    Returns (weights, ids), both [len(params), width]: each row's most likely token ids in
+    descending order of probability and their sampling weights (unnormalized), 0 where a
+    token is dropped. Tokens beyond width are dropped. top-k keeps exactly k tokens (ties
+    broken by torch.topk); top-p keeps the smallest prefix whose probability, renormalized
+    after top-k, reaches top_p; min-p drops tokens below min_p times the most likely one.
+    """
+    n, vocab = probs.shape
+    device = probs.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
+
+    decided: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    pending = torch.arange(n, device=device)
+    for width in (*(w for w in CANDIDATE_WIDTHS if w < vocab), vocab):
+        sub = probs if len(pending) == n else probs[pending]
+        if width == vocab:
+            vals, ids = sub.sort(-1, descending=True)
+        else:
+            vals, ids = sub.topk(width, -1)
+        k, p = top_k[pending], top_p[pending]
+        vals.masked_fill_(torch.arange(width, device=device) >= k[:, None], 0)
+        cum = vals.cumsum(-1)
+        k_inside = k <= width
+        # Top-p renormalizes over the top-k set; without top-k that is the whole row, whose sum is 1.
+        total = torch.where(k_inside, cum.gather(1, (k.clamp(max=width) - 1)[:, None]).squeeze(1), 1.0)
+        # Probability beyond the head is unknown, so a row is decided here only if its top-k
+        # ends inside the head, or it has no top-k and the head alone reaches top_p.
+        done = k_inside | ((k == vocab) & (cum[:, -1] >= p)) if width < vocab else torch.ones_like(k_inside)
+        # Exclusive cumsum < threshold keeps the smallest prefix reaching it, and at least the first token.
+        keep = (cum - vals < (p * total)[:, None]) | (p >= 1)[:, None]
+        vals.mul_(keep)
+        vals.masked_fill_(vals < (min_p[pending] * vals[:, 0])[:, None], 0)
+        if bool(done.all()):
+            decided.append((pending, vals, ids))
+            break
+        decided.append((pending[done], vals[done], ids[done]))
+        pending = pending[~done]
+
+    if len(decided) == 1:
+        return decided[0][1], decided[0][2]
+    width = max(v.shape[1] for _, v, _ in decided)
+    weights = torch.zeros(n, width, dtype=probs.dtype, device=device)
+    ids = torch.zeros(n, width, dtype=torch.long, device=device)
+    for rows_, v, i in decided:
+        weights[rows_, :v.shape[1]] = v
+        ids[rows_, :i.shape[1]] = i
+    return weights, ids
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0 or p.presence_penalty != 0
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Draw a token for each row of logits (owned: modified in place); returns ids [len(rows)]."""
+    vocab = logits.shape[1]
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+    logits.div_(temperature[:, None])
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+
+    truncated, plain = [], []
+    for j, r in enumerate(rows):
+        p = r.params
+        (truncated if 0 < p.top_k < vocab or p.top_p < 1 else plain).append(j)
+    if plain:
+        # Weights relative to the most likely token, so min-p is a plain threshold on them.
+        w = _take(logits, plain)
+        w.sub_(w.amax(-1, keepdim=True)).exp_()
+        min_p = torch.tensor([rows[j].params.min_p for j in plain], dtype=w.dtype, device=w.device)
+        if bool((min_p > 0).any()):
+            w.masked_fill_(w < min_p[:, None], 0)
+        _put(tokens, plain, _draw(w, [rows[j].generator for j in plain]))
+    if truncated:
+        weights, ids = truncate(_take(logits, truncated).softmax(-1), [rows[j].params for j in truncated])
+        pos = _draw(weights, [rows[j].generator for j in truncated])
+        _put(tokens, truncated, ids.gather(1, pos[:, None]).squeeze(1))
+    return tokens
+
+
+def _draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Index of one draw per row from non-negative weights [rows, n] (consumed); [rows]."""
+    cum = weights.cumsum_(-1)
+    total = cum[:, -1:]
+    u = torch.empty_like(total)
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if unseeded:
+        _put(u, unseeded, torch.rand(len(unseeded), 1, dtype=u.dtype, device=u.device))
+    for j, g in enumerate(generators):
+        if g is not None:
+            u[j] = torch.rand(1, generator=g, dtype=u.dtype, device=g.device).to(u.device)
+    # u * total can round up to total, which no entry of cum exceeds.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    # The first entry above target: zero-weight tokens add nothing to cum, so they never are.
+    return torch.searchsorted(cum, target, right=True).squeeze(1)
+
+
+def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None) -> None:
+    """Forbid EOS and stop_token_ids in rows that have not yet produced min_tokens tokens."""
+    vocab = logits.shape[1]
+    pos = []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) < r.params.min_tokens:
+            stops = r.params.stop_token_ids + ([] if eos_token_id is None else [eos_token_id])
+            pos.extend(i * vocab + t for t in stops if 0 <= t < vocab)
+    if pos:
+        logits.view(-1)[torch.tensor(pos, device=logits.device)] = float("-inf")
+
+
+def _positions(rows: list[int], tokens: list[list[int]], vocab: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat positions (row * vocab + token) of tokens[j] in rows[j], and j for each."""
+    lengths = torch.tensor([len(t) for t in tokens], device=device)
+    if not int(lengths.sum()):
+        return torch.empty(0, dtype=torch.long, device=device), torch.empty(0, dtype=torch.long, device=device)
+    # array() walks the lists in C: several times faster than torch.tensor on a list of ints.
+    flat = torch.frombuffer(array.array("q", itertools.chain.from_iterable(tokens)), dtype=torch.long).to(device)
+    if int(flat.min()) < 0 or int(flat.max()) >= vocab:
+        raise ValueError(f"token ids must be in [0, {vocab}), got {int(flat.min())}..{int(flat.max())}")
+    owner = torch.arange(len(tokens), device=device).repeat_interleave(lengths)
+    return torch.tensor(rows, device=device)[owner] * vocab + flat, owner
+
+
+def _logprob_dicts(logprobs: torch.Tensor, sampled: torch.Tensor, counts: list[int]) -> list[dict[int, float]]:
+    sampled_lp = logprobs.gather(1, sampled[:, None]).squeeze(1).tolist()
+    top_lp, top_ids = logprobs.topk(max(counts), -1) if max(counts) else (None, None)
+    out = []
+    for j, (tok, lp, k) in enumerate(zip(sampled.tolist(), sampled_lp, counts)):
+        d = {tok: lp}
+        if k:
+            d.update(zip(top_ids[j, :k].tolist(), top_lp[j, :k].tolist()))
+        out.append(d)
+    return out
+
+
+def _take(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """x[idx] for a sorted list of row indices; x itself (no copy) when idx is every row."""
+    return x if len(idx) == x.shape[0] else x[torch.tensor(idx, device=x.device)]
+
+
+def _put(x: torch.Tensor, idx: list[int], value: torch.Tensor) -> None:
+    if value is not x:
+        if len(idx) == x.shape[0]:
+            x.copy_(value)
+        else:
+            x[torch.tensor(idx, device=x.device)] = value

