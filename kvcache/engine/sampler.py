@@ -78,8 +78,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
 
     logprobs: list[dict[int, float] | None] = [None] * len(rows)
     if logprob_rows:
-        sampled = _take(tokens, logprob_rows)
-        for i, d in zip(logprob_rows, _logprob_dicts(raw_logprobs, sampled, [rows[i].params.logprobs for i in logprob_rows])):
+        counts = [rows[i].params.logprobs for i in logprob_rows]
+        for i, d in zip(logprob_rows, _logprob_dicts(raw_logprobs, _take(tokens, logprob_rows), counts)):
             logprobs[i] = d
     return SampleResult(tokens.tolist(), logprobs)
 
@@ -113,8 +113,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         if pos.numel():
             pos, counts = torch.unique(pos, return_counts=True)
             row = pos // vocab
-            frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype, device=logits.device)
-            presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype, device=logits.device)
+            frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype,
+                                     device=logits.device)
+            presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype,
+                                    device=logits.device)
             vals = flat[pos]
             vals -= frequency[row] * counts
             vals -= presence[row]
@@ -152,8 +154,11 @@ def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.T
         # Top-p renormalizes over the top-k set; without top-k that is the whole row, whose sum is 1.
         total = torch.where(k_inside, cum.gather(1, (k.clamp(max=width) - 1)[:, None]).squeeze(1), 1.0)
         # Probability beyond the head is unknown, so a row is decided here only if its top-k
-        # ends inside the head, or it has no top-k and the head alone reaches top_p.
-        done = k_inside | ((k == vocab) & (cum[:, -1] >= p)) if width < vocab else torch.ones_like(k_inside)
+        # ends inside the head, or it has no top-k and the head alone reaches top_p < 1.
+        if width < vocab:
+            done = k_inside | ((k == vocab) & (p < 1) & (cum[:, -1] >= p))
+        else:
+            done = torch.ones_like(k_inside)
         # Exclusive cumsum < threshold keeps the smallest prefix reaching it, and at least the first token.
         keep = (cum - vals < (p * total)[:, None]) | (p >= 1)[:, None]
         vals.mul_(keep)

@@ -43,16 +43,21 @@ class BlockPool:
 
     def share(self, blocks: list[int]) -> None:
         """Add one holder to each of `blocks`."""
+        # Check all before changing any, so a bad list leaves the pool as it was.
+        if any(self.ref_counts[b] <= 0 for b in blocks):
+            raise ValueError(f"cannot share free blocks {[b for b in blocks if self.ref_counts[b] <= 0]}")
         for b in blocks:
-            if self.ref_counts[b] <= 0:
-                raise ValueError(f"block {b} is free and cannot be shared")
             self.ref_counts[b] += 1
 
     def free(self, blocks: list[int]) -> None:
         """Drop one holder from each of `blocks`; blocks nobody holds go back to the free list."""
+        holders: dict[int, int] = {}
         for b in blocks:
-            if self.ref_counts[b] <= 0:
-                raise ValueError(f"block {b} freed more often than allocated")
+            holders[b] = holders.get(b, 0) + 1
+        over = [b for b, n in holders.items() if n > self.ref_counts[b]]
+        if over:
+            raise ValueError(f"blocks {over} freed more often than they are held")
+        for b in blocks:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self._free.append(b)

@@ -1,7 +1,7 @@
 """Per-sequence block tables on top of the block pool."""
 from __future__ import annotations
 
-from kvcache.memory.block_pool import BlockPool
+from kvcache.memory.block_pool import BlockPool, OutOfBlocksError
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -45,6 +45,10 @@ class KVCacheManager:
         OutOfBlocksError if no block is free for the copy.
         """
         parent = self.block_tables[parent_id]
+        if child_id in self.block_tables:
+            raise ValueError(f"sequence {child_id} already has a block table")
+        if blocks_for(num_tokens, self.block_size) > len(parent):
+            raise ValueError(f"cannot fork {num_tokens} tokens: sequence {parent_id} holds {len(parent)} blocks")
         n_full = num_tokens // self.block_size
         shared = parent[:n_full]
         self.pool.share(shared)
@@ -53,7 +57,7 @@ class KVCacheManager:
         if num_tokens % self.block_size:
             try:
                 (dst,) = self.pool.allocate(1)
-            except Exception:
+            except OutOfBlocksError:
                 self.pool.free(shared)
                 raise
             table.append(dst)

@@ -44,7 +44,7 @@ def read_gguf_tensors(path: str, arch: str, num_heads: int, num_kv_heads: int) -
         else:
             name = _GLOBAL_NAMES.get(t.name, t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             w = _unpermute(w, num_heads if "q_proj" in name else num_kv_heads)
         out[name] = torch.from_numpy(w if w.flags.writeable and w.flags.c_contiguous else np.array(w))
     return out

@@ -29,8 +29,9 @@ def kv_bytes_per_token(shape: AttentionShape, dtype: str) -> int:
 
 def kv_formula(shape: AttentionShape, dtype: str) -> str:
     """The formula with this model's numbers substituted, for logs and reports."""
+    total = kv_bytes_per_token(shape, dtype)  # validates dtype
     return (f"2 x {shape.num_layers} layers x {shape.num_kv_heads} kv_heads x {shape.head_dim} head_dim"
-            f" x {DTYPE_BYTES[dtype]} bytes = {kv_bytes_per_token(shape, dtype):,} bytes/token")
+            f" x {DTYPE_BYTES[dtype]} bytes = {total:,} bytes/token")
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,8 @@ def test_stop_is_normalized_to_a_list_of_its_own():
     assert p.stop_token_ids == [7, 8]
 
 
-@pytest.mark.parametrize("temperature, greedy", [(0, True), (0.0, True), (1e-6, True), (1e-5, False), (0.01, False), (2, False)])
+@pytest.mark.parametrize("temperature, greedy",
+                         [(0, True), (0.0, True), (1e-6, True), (1e-5, False), (0.01, False), (2, False)])
 def test_greedy_is_temperature_zero(temperature, greedy):
     assert SamplingParams(temperature=temperature).greedy is greedy
 
@@ -80,7 +81,8 @@ def test_wrong_types_raise_type_error_naming_the_parameter(field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("stop", [""]), ("stop", ["ok", 3]), ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", [1.0]),
+    ("stop", [""]), ("stop", ["ok", 3]),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", [1.0]),
 ])
 def test_bad_list_entries_raise_value_error(field, value):
     with pytest.raises(ValueError, match=rf"^{field} entries must be"):
