@@ -30,9 +30,13 @@ class DecodeGroup:
     """Decode rows of similar context length, attended in one padded call."""
 
     rows: torch.Tensor  # [B] batch rows of these sequences' tokens
-    block_ids: torch.Tensor  # [B * num_blocks] padded block tables, flattened
-    num_blocks: int
+    block_table: torch.Tensor  # [B, num_blocks] padded with the null block
+    context_lens: torch.Tensor  # [B] tokens each sequence attends to (the new one included)
     masks: dict[int | None, torch.Tensor]  # sliding window -> [B, 1, 1, num_blocks * block_size] bool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_table.shape[1]
 
 
 @dataclass(slots=True)
@@ -68,8 +72,13 @@ def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> 
 
 
 def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | None, ...] = (None,),
-                device: str | torch.device = "cpu") -> ForwardBatch:
-    """Flatten `chunks` (decodes first: those with one token and a non-empty cache) into a ForwardBatch."""
+                device: str | torch.device = "cpu", group_decodes: bool = True, masks: bool = True) -> ForwardBatch:
+    """Flatten `chunks` into a ForwardBatch.
+
+    Chunks of one token on a non-empty cache are decode rows. `group_decodes` splits them
+    into groups of similar length (the padded torch path wants that; a kernel that walks
+    block tables does not); `masks=False` skips the decode padding masks such a kernel ignores.
+    """
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -91,28 +100,28 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         nb = -(-ctx // block_size)
         q_pos = torch.arange(c.start, ctx, device=device)[:, None]
         k_pos = torch.arange(ctx if c.start == 0 else nb * block_size, device=device)[None, :]
-        masks: dict[int | None, torch.Tensor | None] = {}
+        pmasks: dict[int | None, torch.Tensor | None] = {}
         for w in windows:
             plain = c.start == 0 and (w is None or w >= ctx)
-            masks[w] = None if plain else _window_ok(q_pos, k_pos, w)
+            pmasks[w] = None if plain else _window_ok(q_pos, k_pos, w)
         block_ids = None if c.start == 0 else torch.tensor(c.block_table[:nb], device=device)
-        prefills.append(PrefillSpan(row, n, ctx, block_ids, masks))
+        prefills.append(PrefillSpan(row, n, ctx, block_ids, pmasks))
     decodes.sort(key=lambda d: -d[1])
     groups: list[DecodeGroup] = []
     i = 0
     while i < len(decodes):
         longest = decodes[i][1]
         j = i + 1
-        while j < len(decodes) and decodes[j][1] >= _GROUP_FILL * longest:
+        while j < len(decodes) and (not group_decodes or decodes[j][1] >= _GROUP_FILL * longest):
             j += 1
         members = decodes[i:j]
         nb = -(-longest // block_size)
         table = [t[:nb] + [0] * (nb - len(t[:nb])) for _, _, t in members]
         ctx = torch.tensor([m[1] for m in members], device=device)[:, None]
         k_pos = torch.arange(nb * block_size, device=device)[None, :]
-        masks = {w: _window_ok(ctx - 1, k_pos, w)[:, None, None, :] for w in windows}
+        dmasks = {w: _window_ok(ctx - 1, k_pos, w)[:, None, None, :] for w in windows} if masks else {}
         groups.append(DecodeGroup(torch.tensor([m[0] for m in members], device=device),
-                                  torch.tensor(table, device=device).flatten(), nb, masks))
+                                  torch.tensor(table, device=device), ctx[:, 0].contiguous(), dmasks))
         i = j
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ForwardBatch(as_long(ids), as_long(pos), as_long(slots), as_long(logit_rows), groups, prefills)

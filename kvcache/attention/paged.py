@@ -1,6 +1,7 @@
-"""Attention over the paged KV store, portable PyTorch path.
+"""Attention over the paged KV store.
 
-Decode rows are attended in groups of similar length: their blocks are gathered into a
+Decode rows go through the C++ CPU kernel when it is available (see cpu_kernel.py).
+Otherwise, the portable path: decode rows are attended in groups of similar length: their blocks are gathered into a
 reused workspace (allocating a fresh tensor each layer costs more than the copy on
 CPU), then one SDPA call with a padding mask. Prefill chunks are attended one sequence
 at a time; a chunk with no cached prefix attends to its fresh K/V without a gather.
@@ -10,7 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvcache.attention import cpu_kernel
 from kvcache.attention.metadata import ForwardBatch
+
+
+def use_cpu_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode rows go through the C++ kernel (CPU, fp32, compiler present) rather than SDPA."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_kernel.load() is not None
 
 
 class Workspace:
@@ -37,7 +44,7 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, ws: Workspace, name: s
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch: ForwardBatch, scale: float, window: int | None,
-                    ws: Workspace) -> torch.Tensor:
+                    ws: Workspace, kernel: bool = False) -> torch.Tensor:
     """Attention output [T, H, D] for queries q [T, H, D].
 
     k, v [T, KVH, D] are this step's new keys/values, already written to the caches
@@ -48,9 +55,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     gqa = H != kvh
     out = torch.empty_like(q)
     for g in batch.decode_groups:
+        if kernel:
+            o = ws.get("decode_out", (g.rows.numel(), H, D), q)
+            cpu_kernel.paged_decode(o, q.index_select(0, g.rows), k_cache, v_cache, g.block_table,
+                                    g.context_lens, scale, window)
+            out.index_copy_(0, g.rows, o)
+            continue
         B, L = g.rows.numel(), g.num_blocks * k_cache.shape[1]
-        kg = _gather(k_cache, g.block_ids, ws, "k").view(B, L, kvh, D).transpose(1, 2)
-        vg = _gather(v_cache, g.block_ids, ws, "v").view(B, L, kvh, D).transpose(1, 2)
+        ids = g.block_table.flatten()
+        kg = _gather(k_cache, ids, ws, "k").view(B, L, kvh, D).transpose(1, 2)
+        vg = _gather(v_cache, ids, ws, "v").view(B, L, kvh, D).transpose(1, 2)
         qg = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.masks[window], scale=scale, enable_gqa=gqa)
         out.index_copy_(0, g.rows, o.squeeze(2))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvcache.attention.metadata import SeqChunk, build_batch
+from kvcache.attention.paged import use_cpu_kernel
 from kvcache.engine.sequence import Sequence
 from kvcache.memory.kv_cache_manager import KVCacheManager
 from kvcache.models.llama import LlamaModel
@@ -15,6 +16,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, store: KVStore, kv: KVCacheManager, device: torch.device) -> None:
         self.model, self.store, self.kv, self.device = model, store, kv, device
+        model.decode_kernel = use_cpu_kernel(device, next(model.parameters()).dtype)
 
     def execute(self, chunks: list[tuple[Sequence, int]],
                 block_copies: list[tuple[int, int]]) -> tuple[list[Sequence], torch.Tensor]:
@@ -27,6 +29,8 @@ class ModelRunner:
             specs.append(SeqChunk(seq.token_ids[start:start + n], start, self.kv.block_tables[seq.seq_id], last))
             if last:
                 sampled.append(seq)
-        batch = build_batch(specs, self.store.block_size, self.model.windows, self.device)
+        kernel = self.model.decode_kernel
+        batch = build_batch(specs, self.store.block_size, self.model.windows, self.device,
+                            group_decodes=not kernel, masks=not kernel)
         logits = self.model(batch, self.store)
         return sampled, logits.float()

@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvcache.attention import cpu_kernel
 from kvcache.attention.metadata import SeqChunk, build_batch
 from kvcache.attention.paged import Workspace, paged_attention
 from kvcache.store.kv_store import KVStore
@@ -37,7 +38,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
 
 def run_case(seqs: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int, head_dim: int,
              window: int | None, seed: int, windows_in_batch: tuple[int | None, ...] | None = None,
-             spare_blocks: int = 3):
+             spare_blocks: int = 3, kernel: bool = False):
     """Fill a store with each sequence's cached K/V, then attend one step of new tokens.
 
     `seqs` is a list of (cached tokens, new tokens). Returns (paged output, reference output, batch).
@@ -70,13 +71,13 @@ def run_case(seqs: list[tuple[int, int]], block_size: int, heads: int, kv_heads:
 
     windows = windows_in_batch if windows_in_batch is not None else (window,)
     chunks = [SeqChunk([5] * n, c, t) for (c, n), t in zip(seqs, tables)]
-    batch = build_batch(chunks, block_size, windows)
+    batch = build_batch(chunks, block_size, windows, group_decodes=not kernel, masks=not kernel)
     k_new = torch.cat([hk[c:] for hk, (c, _) in zip(hist_k, seqs)])
     v_new = torch.cat([hv[c:] for hv, (c, _) in zip(hist_v, seqs)])
     q = torch.cat(qs)
     store.write(0, batch.slot_mapping, k_new, v_new)
     scale = head_dim ** -0.5
-    out = paged_attention(q, k_new, v_new, store.k[0], store.v[0], batch, scale, window, Workspace())
+    out = paged_attention(q, k_new, v_new, store.k[0], store.v[0], batch, scale, window, Workspace(), kernel)
     ref = torch.cat([reference(qi, hk, hv, c, scale, window)
                      for qi, hk, hv, (c, _) in zip(qs, hist_k, hist_v, seqs)])
     return out, ref, batch
@@ -97,8 +98,27 @@ head_configs = st.sampled_from([(4, 4), (4, 2), (4, 1), (6, 3), (8, 1), (2, 2)])
        window=st.one_of(st.none(), st.integers(1, 30)),
        seed=st.integers(0, 2**16))
 def test_paged_attention_matches_reference(seqs, block_size, heads, head_dim, window, seed):
+    _check_case(seqs, block_size, heads, head_dim, window, seed, kernel=False)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seqs=st.lists(seq_strategy, min_size=1, max_size=6),
+       block_size=st.sampled_from([1, 2, 4, 8, 16]),
+       heads=head_configs,
+       head_dim=st.sampled_from([8, 16, 64]),
+       window=st.one_of(st.none(), st.integers(1, 30)),
+       seed=st.integers(0, 2**16))
+def test_cpu_kernel_matches_reference(seqs, block_size, heads, head_dim, window, seed):
+    """The C++ decode kernel reads blocks straight from the store: same answers, no padding."""
+    assert cpu_kernel.load() is not None, "the C++ CPU attention kernel failed to build on this machine"
+    _check_case(seqs, block_size, heads, head_dim, window, seed, kernel=True)
+
+
+def _check_case(seqs, block_size, heads, head_dim, window, seed, kernel):
     h, kvh = heads
-    out, ref, batch = run_case(seqs, block_size, h, kvh, head_dim, window, seed)
+    out, ref, batch = run_case(seqs, block_size, h, kvh, head_dim, window, seed, kernel=kernel)
+    if kernel:
+        assert len(batch.decode_groups) <= 1
     assert out.shape == ref.shape
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)

