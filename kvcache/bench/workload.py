@@ -40,8 +40,6 @@ def random_workload(num_prompts: int, input_len: tuple[int, int], output_len: tu
     rng = np.random.default_rng(seed)
     ins = rng.integers(input_len[0], input_len[1] + 1, num_prompts)
     outs = rng.integers(output_len[0], output_len[1] + 1, num_prompts)
-    prompts = []
-    for n in ins:
-        ids = rng.integers(0, vocab_size, int(n))
-        prompts.append([int(t) if int(t) not in avoid else (int(t) + 1) % vocab_size for t in ids])
+    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(avoid, dtype=np.int64, count=len(avoid)))
+    prompts = [allowed[rng.integers(0, len(allowed), int(n))].tolist() for n in ins]
     return Workload(prompts, [int(o) for o in outs])

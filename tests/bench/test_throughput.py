@@ -1,0 +1,57 @@
+"""`kvcache bench throughput` end to end on a tiny model: table, JSON, baseline in the same run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcache.bench.roofline import workload_flops
+from kvcache.bench.workload import parse_range, random_workload
+from kvcache.cli import main
+
+
+@pytest.mark.bench
+def test_bench_throughput_writes_json_with_baseline(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "throughput", "--model", tiny_llama, "--num-prompts", "6", "--input-len", "8:40",
+               "--output-len", "4:12", "--seed", "3", "--baseline", "hf", "--hf-batch-sizes", "2,4",
+               "--kv-cache-memory", "4MiB", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    work = random_workload(6, (8, 40), (4, 12), 320, 3, {0, 1, 2})
+    assert r["workload"]["output_tokens"] == work.output_tokens
+    assert r["workload"]["input_tokens"] == work.input_tokens
+    for engine in ("kvcache", "hf"):
+        assert r[engine]["output_tokens_per_s"] > 0
+        assert r[engine]["peak_rss_bytes"] > 0
+        assert 0 < r[engine]["roofline_fraction"]
+    assert set(r["hf"]["by_batch_size"]) == {"2", "4"}
+    best = max(v["output_tokens_per_s"] for v in r["hf"]["by_batch_size"].values())
+    assert r["hf"]["output_tokens_per_s"] == best
+    assert r["speedup"] == pytest.approx(r["kvcache"]["output_tokens_per_s"] / best)
+    table = capsys.readouterr().out
+    assert "kvcache" in table and "transformers bs=2" in table and "speedup" in table
+
+
+def test_parse_range_and_workload_are_exact_and_seeded():
+    assert parse_range("64:512") == (64, 512)
+    assert parse_range("7") == (7, 7)
+    for bad in ("0:4", "9:3", "a:b", "1:2:3"):
+        with pytest.raises(ValueError, match="A:B"):
+            parse_range(bad)
+    a = random_workload(10, (5, 9), (2, 3), 100, 1, {0, 1, 2})
+    b = random_workload(10, (5, 9), (2, 3), 100, 1, {0, 1, 2})
+    assert a == b
+    assert all(5 <= len(p) <= 9 for p in a.prompts) and all(2 <= o <= 3 for o in a.output_lens)
+    assert not {0, 1, 2} & {t for p in a.prompts for t in p}
+
+
+def test_workload_flops_counts_layers_attention_and_head():
+    class Cfg:
+        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads = 8, 2, 2, 1
+        intermediate_size, vocab_size, head_dim = 16, 10, 4
+    work = random_workload(1, (3, 3), (2, 2), 10, 0)
+    linear = 8 * (2 + 2) * 4 + 2 * 4 * 8 + 3 * 8 * 16
+    tokens = 3 + 2 - 1
+    expected = 2 * (2 * linear * tokens + 4 * 2 * 4 * tokens * (tokens + 1) / 2) + 2 * 2 * 8 * 10
+    assert workload_flops(Cfg, work) == expected
