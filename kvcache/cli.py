@@ -50,7 +50,8 @@ def sampling_params(args: argparse.Namespace):
                           seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
-def print_kv_summary(engine, out=sys.stdout) -> None:
+def print_kv_summary(engine, out=None) -> None:
+    out = out or sys.stdout
     info = engine.kv_cache_info()
     st = engine.stats
     print("\n--- KV cache ---", file=out)

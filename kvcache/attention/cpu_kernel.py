@@ -5,7 +5,9 @@ on CPU costs as much memory traffic as the attention itself. This kernel walks t
 table instead: each (sequence, KV head) pair reads its keys and values once and serves
 all query heads of its group. Compiled on first use with the system C++ compiler
 (torch.utils.cpp_extension, cached under ~/.cache/torch_extensions); if that fails the
-engine keeps the portable path and says so once.
+engine keeps the portable path and says so once. It is built with -fopenmp so that
+at::parallel_for runs on torch's own OpenMP pool: the loader resolves libgomp.so.1 to the
+copy torch already loaded, so no second runtime competes for the cores.
 """
 from __future__ import annotations
 
@@ -20,25 +22,17 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <cmath>
+#include <math.h>
 #include <vector>
 
 // out, q: [B, H, D] fp32; k_cache, v_cache: [NB, BS, KVH, D] fp32;
 // block_tables: [B, MAXNB] int64; context_lens: [B] int64; window <= 0 means none.
-void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
-  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH, MAXNB = block_tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* cl = context_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t blk = BS * KVH * D, tok = KVH * D;
-  const float sc = (float)scale;
+// DC is D when known at compile time (the common head sizes), else 0.
+template <int64_t DC>
+static void decode_impl(float* op, const float* qp, const float* kp, const float* vp, const int64_t* bt,
+                        const int64_t* cl, int64_t B, int64_t H, int64_t Drt, int64_t BS, int64_t KVH,
+                        int64_t MAXNB, float sc, int64_t window) {
+  const int64_t D = DC ? DC : Drt, G = H / KVH, blk = BS * KVH * D, tok = KVH * D;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s, acc(G * D);
     for (int64_t w = begin; w < end; ++w) {
@@ -47,39 +41,67 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
       s.resize(G * n);
       const float* qb = qp + (b * H + kh * G) * D;
       const int64_t* table = bt + b * MAXNB;
-      for (int64_t j = j0; j < L; ++j) {
-        const float* k = kp + table[j / BS] * blk + (j % BS) * tok + kh * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qq = qb + g * D;
-          float dot = 0.f;
+      // Walk block by block: no division per token, and each token's head slice is contiguous.
+      for (int64_t bi = j0 / BS; bi * BS < L; ++bi) {
+        const float* kb = kp + table[bi] * blk + kh * D;
+        const int64_t t0 = std::max(j0 - bi * BS, (int64_t)0), t1 = std::min(L - bi * BS, BS);
+        for (int64_t t = t0; t < t1; ++t) {
+          const float* k = kb + t * tok;
+          float* st = s.data() + bi * BS + t - j0;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qq = qb + g * D;
+            float dot = 0.f;
 #pragma omp simd reduction(+:dot)
-          for (int64_t d = 0; d < D; ++d) dot += qq[d] * k[d];
-          s[g * n + (j - j0)] = dot * sc;
+            for (int64_t d = 0; d < D; ++d) dot += qq[d] * k[d];
+            st[g * n] = dot * sc;
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = s.data() + g * n;
-        float m = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+        float m = sg[0];
+        for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
         float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) { sg[i] = std::exp(sg[i] - m); sum += sg[i]; }
+#pragma omp simd reduction(+:sum)
+        for (int64_t i = 0; i < n; ++i) { sg[i] = expf(sg[i] - m); sum += sg[i]; }
         const float inv = 1.f / sum;
+#pragma omp simd
         for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = j0; j < L; ++j) {
-        const float* v = vp + table[j / BS] * blk + (j % BS) * tok + kh * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = s[g * n + (j - j0)];
-          float* a = acc.data() + g * D;
+      for (int64_t bi = j0 / BS; bi * BS < L; ++bi) {
+        const float* vb = vp + table[bi] * blk + kh * D;
+        const int64_t t0 = std::max(j0 - bi * BS, (int64_t)0), t1 = std::min(L - bi * BS, BS);
+        for (int64_t t = t0; t < t1; ++t) {
+          const float* v = vb + t * tok;
+          const float* pt = s.data() + bi * BS + t - j0;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = pt[g * n];
+            float* a = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g)
         std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, op + (b * H + kh * G + g) * D);
     }
   });
+}
+
+void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  auto args = std::make_tuple(out.data_ptr<float>(), q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                              v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
+                              context_lens.data_ptr<int64_t>(), B, H, D, k_cache.size(1), k_cache.size(2),
+                              block_tables.size(1), (float)scale, window);
+  if (D == 64) std::apply(decode_impl<64>, args);
+  else if (D == 128) std::apply(decode_impl<128>, args);
+  else std::apply(decode_impl<0>, args);
 }
 """
 
@@ -98,7 +120,8 @@ def load() -> object | None:
     try:
         from torch.utils.cpp_extension import load_inline
         _module = load_inline("kvcache_cpu_attention", cpp_sources=[_SOURCE], functions=["paged_decode"],
-                              extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+                              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers: the portable path still works
         log.warning("CPU attention kernel unavailable (%s); using the portable PyTorch path", str(e).splitlines()[0])
         _module = None

@@ -114,10 +114,6 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_len
         if self.max_model_len > model_len:
             raise ValueError(f"max_model_len {self.max_model_len:,} exceeds the model's context length {model_len:,}")
-        if self.device.type == "cpu":
-            # Random or long contexts drive some activations into denormal floats, which
-            # run up to 30x slower on x86; flushing them to zero changes no result that matters.
-            torch.set_flush_denormal(True)
         self.model = build_model(loaded, self.max_model_len, self.device, self.dtype)
         self.shape = AttentionShape(hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf))
         self.kv_dtype = str(self.dtype).removeprefix("torch.")

@@ -32,5 +32,12 @@ class ModelRunner:
         kernel = self.model.decode_kernel
         batch = build_batch(specs, self.store.block_size, self.model.windows, self.device,
                             group_decodes=not kernel, masks=not kernel)
-        logits = self.model(batch, self.store)
+        # Denormal floats run many times slower on x86 CPUs; flush them to zero during the
+        # forward only, since the setting is process-wide and other code may rely on them.
+        flush = self.device.type == "cpu" and torch.set_flush_denormal(True)
+        try:
+            logits = self.model(batch, self.store)
+        finally:
+            if flush:
+                torch.set_flush_denormal(False)
         return sampled, logits.float()

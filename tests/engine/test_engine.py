@@ -1,0 +1,536 @@
+"""LLMEngine: input validation, abort, n > 1 block sharing, seeds, stop conditions, and the
+block-accounting invariants under random interleavings of add / step / abort."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvcache import LLM, SamplingParams
+from kvcache.engine.sequence import SequenceStatus
+
+BLOCK = 16
+POOL_BLOCKS = 16  # 256 tokens
+MAX_MODEL_LEN = 384  # more than the pool holds, so "needs more blocks than the pool" is reachable
+BUDGET = 32  # max_num_batched_tokens: prompts over 32 tokens are prefilled in chunks
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def make_llm(path: str, per_token: int, num_blocks: int, block_size: int, **kwargs) -> LLM:
+    llm = LLM(path, kv_cache_memory=num_blocks * block_size * per_token, block_size=block_size, **kwargs)
+    assert llm.kv_cache_info()["num_blocks"] == num_blocks
+    return llm
+
+
+@pytest.fixture(scope="module")
+def per_token(tiny_llama) -> int:
+    return LLM(tiny_llama, kv_cache_memory="1MiB").kv_cache_info()["bytes_per_token"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama, per_token) -> LLM:
+    return make_llm(tiny_llama, per_token, POOL_BLOCKS, BLOCK, max_model_len=MAX_MODEL_LEN,
+                    max_num_batched_tokens=BUDGET)
+
+
+@pytest.fixture
+def engine(llm):
+    """The module's engine, checked empty before and after each test."""
+    eng = llm.engine
+    assert_idle(eng)
+    yield eng
+    leftover = list(eng.requests)
+    for rid in leftover:
+        eng.abort_request(rid)
+    assert leftover == [], f"test left requests behind: {leftover}"
+    assert_idle(eng)
+
+
+def assert_idle(eng) -> None:
+    eng.check_no_leaks()
+    pool = eng.kv.pool
+    assert not eng.requests
+    assert pool.num_free == pool.num_usable
+    assert all(r == 0 for r in pool.ref_counts)
+    assert eng.kv.block_tables == {}
+    assert not eng.scheduler.waiting and not eng.scheduler.running
+
+
+def prompt_of(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 320) for _ in range(n)]
+
+
+def drain(eng, max_steps: int = 10_000) -> dict:
+    """Step until nothing is unfinished; the finished outputs by request id."""
+    done = {}
+    for _ in range(max_steps):
+        if not eng.has_unfinished_requests():
+            return done
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    raise AssertionError(f"still unfinished after {max_steps} steps")
+
+
+def run_alone(eng, prompt: list[int], params: SamplingParams, rid: str = "alone"):
+    eng.add_request(rid, prompt, params)
+    return drain(eng)[rid]
+
+
+def held_blocks(eng) -> int:
+    return eng.kv.pool.num_usable - eng.kv.pool.num_free
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+BAD_INPUTS = [
+    pytest.param(prompt_of(MAX_MODEL_LEN), SamplingParams(max_tokens=1),
+                 r"prompt has 384 tokens; max_model_len is 384", id="prompt-equals-max-model-len"),
+    pytest.param(prompt_of(500), SamplingParams(max_tokens=1),
+                 r"prompt has 500 tokens; max_model_len is 384", id="prompt-over-max-model-len"),
+    pytest.param(prompt_of(300), SamplingParams(max_tokens=100),
+                 r"prompt has 300 tokens and max_tokens is 100: 400 is above max_model_len 384",
+                 id="prompt-plus-max-tokens"),
+    pytest.param(prompt_of(200), SamplingParams(max_tokens=100),
+                 r"request needs 19 KV blocks \(300 tokens\) but the whole pool has 16", id="more-blocks-than-pool"),
+    pytest.param(prompt_of(200), SamplingParams(max_tokens=57),
+                 r"request needs 17 KV blocks \(257 tokens\) but the whole pool has 16", id="one-block-more-than-pool"),
+    pytest.param([5, 320], None, r"ints in \[0, 320\); got \[320\]", id="token-id-equals-vocab"),
+    pytest.param([5, 6, 100_000, -1], None, r"ints in \[0, 320\); got \[100000, -1\]", id="token-ids-out-of-vocab"),
+    pytest.param([5, 6.0], None, r"ints in \[0, 320\)", id="token-id-not-int"),
+    pytest.param([], None, r"the prompt is empty", id="empty-ids"),
+    pytest.param("", None, r"the prompt is empty", id="empty-text"),
+]
+
+
+@pytest.mark.parametrize("prompt, params, message", BAD_INPUTS)
+def test_bad_input_raises_and_leaves_no_state(engine, prompt, params, message):
+    stats_before = (engine.stats.prompt_tokens, dict(engine.stats.requests_finished))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, params)
+    assert "bad" not in engine.requests
+    assert (engine.stats.prompt_tokens, dict(engine.stats.requests_finished)) == stats_before
+    assert_idle(engine)
+    # The id was not taken and the engine still serves.
+    out = run_alone(engine, [5, 6, 7], SamplingParams(max_tokens=3, **GREEDY), rid="bad")
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_request_that_exactly_fits_pool_and_context_is_accepted(engine):
+    # 200 + 56 = 256 tokens = the whole pool (16 blocks); the prompt is prefilled in chunks of 32.
+    out = run_alone(engine, prompt_of(200), SamplingParams(max_tokens=56, **GREEDY))
+    assert len(out.outputs[0].token_ids) == 56
+    assert engine.stats.peak_used_blocks == POOL_BLOCKS
+
+
+def test_duplicate_request_id(engine):
+    engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
+    waiting = list(engine.scheduler.waiting)
+    with pytest.raises(ValueError, match=r"request id 'dup' is already in use"):
+        engine.add_request("dup", [8, 9], SamplingParams(max_tokens=2, **GREEDY))
+    assert list(engine.scheduler.waiting) == waiting and len(waiting) == 1
+    done = drain(engine)
+    assert list(done) == ["dup"]
+    assert done["dup"].prompt_token_ids == [5, 6, 7]
+    assert len(done["dup"].outputs[0].token_ids) == 4
+
+
+def test_llm_generate_with_one_bad_prompt_submits_nothing(llm, engine):
+    good = {"prompt_token_ids": [5, 6, 7]}
+    with pytest.raises(ValueError, match=r"max_model_len is 384"):
+        llm.generate([good, good, {"prompt_token_ids": prompt_of(400)}], SamplingParams(max_tokens=2),
+                     use_tqdm=False)
+    assert_idle(engine)
+    outs = llm.generate([good, good], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_building_an_engine_leaves_the_process_float_mode_alone(tiny_llama):
+    """An engine is a library object: it must not switch the whole process to flush-to-zero floats,
+    which silently changes user code (numpy, Python floats) and breaks hypothesis' float strategies."""
+    smallest_normal = 2.2250738585072014e-308
+    torch.set_flush_denormal(False)
+    assert smallest_normal / 2 > 0
+    try:
+        LLM(tiny_llama, kv_cache_memory="1MiB")
+        assert smallest_normal / 2 > 0, "LLM(...) turned on flush-to-zero for the calling thread"
+    finally:
+        torch.set_flush_denormal(False)
+
+
+# ---- abort ----------------------------------------------------------------------------------
+
+
+def test_abort_while_waiting(engine):
+    aborted_before = engine.stats.requests_finished.get("abort", 0)
+    engine.add_request("w", prompt_of(20), SamplingParams(max_tokens=5))
+    assert engine.has_unfinished_requests()
+    assert engine.abort_request("w") is True
+    assert engine.abort_request("w") is False
+    assert engine.abort_request("never-added") is False
+    assert engine.stats.requests_finished["abort"] == aborted_before + 1
+    assert engine.step() == []
+    assert_idle(engine)
+
+
+def test_abort_mid_prefill(engine):
+    engine.add_request("p", prompt_of(100), SamplingParams(max_tokens=5, **GREEDY))
+    engine.step()
+    (seq,) = engine.requests["p"].seqs
+    assert 0 < seq.num_computed_tokens < 100  # only a chunk of the prompt is in the cache
+    assert seq.num_output_tokens == 0
+    assert held_blocks(engine) == len(engine.kv.block_tables[seq.seq_id]) > 0
+    assert engine.abort_request("p")
+    assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "abort"
+    assert_idle(engine)
+
+
+def test_abort_mid_decode_leaves_the_other_request_intact(engine):
+    a_prompt, b_prompt = prompt_of(40, 1), prompt_of(23, 2)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    b_alone = run_alone(engine, b_prompt, params).outputs[0].token_ids
+
+    engine.add_request("a", a_prompt, params)
+    engine.add_request("b", b_prompt, params)
+    a_seq = engine.requests["a"].seqs[0]
+    while a_seq.num_output_tokens < 5:
+        assert engine.step() == []
+    assert held_blocks(engine) > 0
+    assert engine.abort_request("a")
+    assert a_seq.seq_id not in engine.kv.block_tables
+    done = drain(engine)
+    assert list(done) == ["b"]
+    assert done["b"].outputs[0].token_ids == b_alone
+    assert_idle(engine)
+
+
+def test_abort_streaming_request_mid_decode(engine):
+    engine.add_request("s", prompt_of(10), SamplingParams(max_tokens=50, **GREEDY), stream=True)
+    seen = []
+    while len(seen) < 4:
+        for out in engine.step():
+            assert out.request_id == "s" and not out.finished
+            seen.append(list(out.outputs[0].token_ids))
+    assert [len(s) for s in seen] == [1, 2, 3, 4]
+    assert all(seen[i] == seen[-1][:i + 1] for i in range(4))
+    assert engine.abort_request("s")
+    assert engine.step() == []
+    assert_idle(engine)
+
+
+def test_abort_n_gt_1_with_shared_blocks(engine):
+    engine.add_request("n", prompt_of(40), SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=20))
+    req = engine.requests["n"]
+    while not (len(req.seqs) == 3 and all(s.num_output_tokens >= 3 for s in req.seqs)):
+        engine.step()
+    assert max(engine.kv.pool.ref_counts) == 3
+    assert engine.abort_request("n")
+    assert all(s.finish_reason == "abort" for s in req.seqs)
+    assert_idle(engine)
+
+
+# ---- n > 1 and seeds ---------------------------------------------------------------------------
+
+
+def test_n_samples_share_the_prompts_full_blocks(engine):
+    prompt = prompt_of(40)  # 2 full blocks + 8 tokens in a third
+    engine.add_request("n", prompt, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True))
+    req = engine.requests["n"]
+    while len(req.seqs) < 3:
+        engine.step()
+    tables = [engine.kv.block_tables[s.seq_id] for s in req.seqs]
+    refs = engine.kv.pool.ref_counts
+    full = tables[0][:2]
+    assert all(t[:2] == full for t in tables)
+    assert [refs[b] for b in full] == [3, 3]
+    # The partly filled block is not shared: each sample writes its own next tokens there.
+    partial = [t[2] for t in tables]
+    assert len(set(partial)) == 3 and all(refs[b] == 1 for b in partial)
+    assert held_blocks(engine) == 2 + 3
+
+    out = drain(engine)["n"]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # independent samples
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("prompt_len", [40, 48, 5])  # partial last block, exactly full blocks, one partial block
+def test_greedy_n_samples_equal_the_single_greedy_output(engine, prompt_len):
+    """All n greedy samples read the shared and the copied prompt K/V: any corruption shows."""
+    prompt = prompt_of(prompt_len, prompt_len)
+    single = run_alone(engine, prompt, SamplingParams(max_tokens=20, **GREEDY)).outputs[0].token_ids
+    out = run_alone(engine, prompt, SamplingParams(n=4, max_tokens=20, **GREEDY))
+    assert [c.token_ids for c in out.outputs] == [single] * 4
+
+
+def test_same_seed_same_outputs_different_seed_different_outputs(llm, engine):
+    prompts = [{"prompt_token_ids": prompt_of(30, 1)}, {"prompt_token_ids": prompt_of(9, 2)}]
+
+    def run(seed):
+        outs = llm.generate(prompts, SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)
+        assert all(len(o.outputs) == 2 for o in outs)
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    first = run(7)
+    assert run(7) == first
+    assert run(1000) != first
+    assert all(o[0] != o[1] for o in first)  # the n samples of one request differ
+    assert_idle(engine)
+
+
+def test_seeded_request_does_not_depend_on_the_batch(llm, engine):
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=42, max_tokens=16, ignore_eos=True)
+    target = {"prompt_token_ids": prompt_of(25, 5)}
+    alone = llm.generate(target, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": prompt_of(n, n)} for n in (3, 50, 17, 70)]
+    batch = llm.generate(others[:2] + [target] + others[2:],
+                         [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 2 + [seeded]
+                         + [SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True)] * 2, use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+
+
+# ---- stop conditions ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """A prompt and its first 24 greedy tokens (ignoring EOS)."""
+    prompt = prompt_of(12, 99)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0]
+    return prompt, out.outputs[0].token_ids
+
+
+def test_max_tokens_finishes_with_length(llm, engine, reference):
+    prompt, tokens = reference
+    c = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=7, **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == tokens[:7]
+    assert (c.finish_reason, c.stop_reason) == ("length", None)
+    assert c.text == llm.get_tokenizer().decode(tokens[:7])
+
+
+@pytest.mark.parametrize("span", [(4, 5), (6, 8), (0, 1)])
+def test_stop_string_truncates_text(llm, engine, reference, span):
+    prompt, tokens = reference
+    tok = llm.get_tokenizer()
+    stop = tok.decode(tokens[span[0]:span[1]])  # the text of one or two output tokens
+    # The engine must stop at the first token after which the text contains the stop string.
+    k = next(k for k in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:k]))
+    full = tok.decode(tokens[:k])
+    expected_text = full[:full.index(stop)]
+    c = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=24, stop=["never", stop], **GREEDY),
+                     use_tqdm=False)[0].outputs[0]
+    assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+    assert c.text == expected_text
+    assert stop not in c.text
+    assert c.token_ids == tokens[:k]
+
+
+def test_stop_string_that_never_appears(llm, engine, reference):
+    prompt, tokens = reference
+    c = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=24, stop="zzz", **GREEDY),
+                     use_tqdm=False)[0].outputs[0]
+    assert (c.finish_reason, c.stop_reason, c.token_ids) == ("length", None, tokens)
+
+
+def test_stop_token_ids(llm, engine, reference):
+    prompt, tokens = reference
+    stop_id = tokens[5]
+    j = tokens.index(stop_id)
+    c = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=24, stop_token_ids=[1, stop_id], **GREEDY),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == tokens[:j + 1]  # the stop token is kept
+    assert (c.finish_reason, c.stop_reason) == ("stop", stop_id)
+
+
+@pytest.fixture(scope="module")
+def eos_case(llm):
+    """A prompt whose greedy continuation (ignoring EOS) contains EOS, and that continuation."""
+    eos = llm.get_tokenizer().eos_token_id
+    assert eos == 2
+    prompts = [prompt_of(random.Random(i).randint(3, 12), 1000 + i) for i in range(64)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=40, **GREEDY),
+                        use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        if eos in o.outputs[0].token_ids[1:-1]:
+            return p, o.outputs[0].token_ids, eos
+    pytest.fail("no greedy continuation of 64 random prompts contains EOS; widen the search")
+
+
+def test_eos_stops_unless_ignore_eos(llm, engine, eos_case):
+    prompt, tokens, eos = eos_case
+    j = tokens.index(eos)
+    c = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == tokens[:j + 1]
+    assert c.finish_reason == "stop"
+    assert c.stop_reason is None
+    c = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == tokens and c.finish_reason == "length"
+
+
+def test_min_tokens_holds_back_eos(llm, engine, eos_case):
+    prompt, tokens, eos = eos_case
+    j = tokens.index(eos)
+    c = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40, min_tokens=j + 2),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.token_ids[:j] == tokens[:j]
+    assert eos not in c.token_ids[:j + 2]
+    assert len(c.token_ids) >= j + 2
+
+
+# ---- invariants under random interleavings -------------------------------------------------------
+
+H_BLOCK, H_POOL, H_LEN, H_BUDGET = 4, 12, 40, 8  # 48 tokens of cache, 8 tokens per step
+
+
+@pytest.fixture(scope="module")
+def small(tiny_llama, per_token) -> LLM:
+    return make_llm(tiny_llama, per_token, H_POOL, H_BLOCK, max_model_len=H_LEN, max_num_batched_tokens=H_BUDGET,
+                    max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_llama):
+    """Greedy outputs of a prompt run alone on a roomy engine, memoized."""
+    ref = LLM(tiny_llama, kv_cache_memory="2MiB", max_model_len=H_LEN)
+    memo: dict[tuple, list[int]] = {}
+
+    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in memo:
+            memo[key] = ref.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=max_tokens, **GREEDY),
+                                     use_tqdm=False)[0].outputs[0].token_ids
+        return memo[key]
+
+    return greedy
+
+
+def check_invariants(eng) -> None:
+    kv, pool = eng.kv, eng.kv.pool
+    refs = pool.ref_counts
+    assert refs[0] == 0, "the null block is never handed out"
+    held = sum(1 for r in refs[1:] if r > 0)
+    assert pool.num_free + held == pool.num_usable
+    assert all(r >= 0 for r in refs)
+    in_tables = Counter(b for t in kv.block_tables.values() for b in t)
+    assert 0 not in in_tables
+    # Every reference is a table entry and every table entry a reference.
+    for b, count in in_tables.items():
+        assert refs[b] == count >= 1, f"block {b}: ref count {refs[b]}, in {count} tables"
+    assert sum(refs) == sum(in_tables.values())
+    live = {s.seq_id: s for r in eng.requests.values() for s in r.seqs if not s.is_finished}
+    assert set(kv.block_tables) <= set(live), "a finished or unknown sequence still holds a table"
+    for s in eng.scheduler.running:
+        assert s.seq_id in live and s.status is SequenceStatus.RUNNING
+        assert len(kv.block_tables.get(s.seq_id, ())) * H_BLOCK >= s.num_computed_tokens
+    for s in eng.scheduler.waiting:
+        assert s.status is SequenceStatus.WAITING
+
+
+def _spy_shared_writes(eng) -> list:
+    """Record (block, ref count) for any K/V write into a block that is not held by exactly one sequence.
+
+    Installed once per engine; returns the engine's record (the caller clears it per example)."""
+    store = eng.store
+    if not hasattr(store, "_violations"):
+        write = store.write
+        store._violations, store._writes = [], 0
+
+        def checked(layer, slot_mapping, k, v):
+            store._writes += 1
+            refs = eng.kv.pool.ref_counts
+            for slot in slot_mapping.tolist():
+                block = slot // store.block_size
+                if refs[block] != 1:
+                    store._violations.append((block, refs[block]))
+            return write(layer, slot_mapping, k, v)
+
+        store.write = checked
+    return store._violations
+
+
+_add = st.tuples(st.just("add"), st.integers(1, 36), st.integers(1, 12), st.integers(1, 3),
+                 st.sampled_from(["greedy", "seeded"]), st.integers(0, 2**16))
+_step = st.tuples(st.just("step"), st.integers(1, 4))
+_abort = st.tuples(st.just("abort"), st.integers(0, 50))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.one_of(_add, _step, _step, _abort), max_size=24))
+def test_random_interleavings_keep_blocks_consistent(small, oracle, ops):
+    eng = small.engine
+    for rid in list(eng.requests):  # a previous failing example may have left some behind
+        eng.abort_request(rid)
+    violations = _spy_shared_writes(eng)
+    violations.clear()
+    preemptions_before = eng.scheduler.num_preemptions
+    steps_before, writes_before = eng.stats.steps, eng.store._writes
+    live: dict[str, SamplingParams] = {}
+    submitted: dict[str, tuple[list[int], SamplingParams]] = {}
+    done: dict = {}
+    counter = 0
+
+    def absorb(outs):
+        for out in outs:
+            if out.finished:
+                done[out.request_id] = out
+                assert len(out.outputs) == live.pop(out.request_id).n
+
+    for op in ops:
+        if op[0] == "add":
+            _, n_prompt, max_tokens, n, kind, seed = op
+            prompt = prompt_of(n_prompt, seed)
+            params = (SamplingParams(n=n, max_tokens=max_tokens, **GREEDY) if kind == "greedy" else
+                      SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True))
+            rid = f"r{counter}"
+            counter += 1
+            if n_prompt + max_tokens > H_LEN:
+                with pytest.raises(ValueError):
+                    eng.add_request(rid, prompt, params)
+            else:
+                eng.add_request(rid, prompt, params)
+                live[rid] = params
+                submitted[rid] = (prompt, params)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                absorb(eng.step())
+        else:
+            if live:
+                rid = sorted(live)[op[1] % len(live)]
+                assert eng.abort_request(rid)
+                del live[rid]
+        assert set(eng.requests) == set(live)
+        check_invariants(eng)
+        assert violations == [], f"wrote into shared blocks (block, refs): {violations[:5]}"
+
+    for _ in range(10_000):
+        if not eng.has_unfinished_requests():
+            break
+        absorb(eng.step())
+        check_invariants(eng)
+    assert live == {}
+    assert violations == [], f"wrote into shared blocks (block, refs): {violations[:5]}"
+    eng.check_no_leaks()
+    assert eng.kv.pool.num_free == eng.kv.pool.num_usable and eng.kv.block_tables == {}
+
+    # The spy sees the model's K/V writes (else the shared-block check above proves nothing).
+    assert eng.stats.steps == steps_before or eng.store._writes > writes_before
+    event(f"preempted: {eng.scheduler.num_preemptions > preemptions_before}")
+    event(f"n > 1 finished: {any(len(o.outputs) > 1 for o in done.values())}")
+    for rid, out in done.items():
+        prompt, params = submitted[rid]
+        assert out.prompt_token_ids == prompt
+        assert all(c.finish_reason == "length" and len(c.token_ids) == params.max_tokens for c in out.outputs)
+        if params.greedy:  # whatever the interleaving, preemption or fork: the tokens of the prompt alone
+            expected = oracle(prompt, params.max_tokens)
+            assert [c.token_ids for c in out.outputs] == [expected] * params.n, rid
