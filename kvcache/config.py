@@ -13,7 +13,15 @@ CPU_DEFAULT_KV_BYTES = 4 * 2**30  # vLLM's CPU backend default KV space
 
 
 def parse_bytes(value: str | int | float) -> int:
-    """'4GiB', '512MiB', '2e9', 1073741824 -> bytes."""
+    """'4GiB', '512MiB', '2e9', 1073741824 -> bytes; '25%' -> that share of the memory available now."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            pct = float(value.strip()[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 < pct <= 100:
+            raise ValueError(f"a memory share must be in (0%, 100%], got {value!r}")
+        return int(psutil.virtual_memory().available * pct / 100)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         n = int(value)
     else:
@@ -35,7 +43,7 @@ class EngineConfig:
     max_num_seqs: int = 128  # sequences in one step at most
     max_num_batched_tokens: int = 1024  # tokens in one step at most (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output tokens; None = the model's context length
-    kv_cache_memory: int | str | None = None  # bytes for the KV cache; None = from gpu_memory_utilization
+    kv_cache_memory: int | str | None = None  # KV cache bytes ('2GiB', or '25%' of available RAM); None = default
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV cache
     enable_chunked_prefill: bool = True
     dtype: str = "auto"  # compute dtype: auto = float32 on CPU, bfloat16 on CUDA

@@ -54,6 +54,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rot * sin
 
 
+class Dense(nn.Module):
+    """y = x W + b with W stored [in, out]: on CPU (MKL) this layout runs the skinny GEMMs of
+    decode steps faster than nn.Linear's [out, in] (measured: LM head 69 -> 94 GFLOP/s at 64 rows)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy a Hugging Face [out, in] weight (and bias) in."""
+        self.weight.copy_(weight.t())
+        if self.bias is not None:
+            self.bias.copy_(bias)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: PretrainedConfig, index: int, window: int | None) -> None:
         super().__init__()
@@ -63,10 +82,10 @@ class DecoderLayer(nn.Module):
         qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         o_bias = cfg.model_type in ("llama", "qwen3") and bool(getattr(cfg, "attention_bias", False))
         mlp_bias = bool(getattr(cfg, "mlp_bias", False))
-        self.qkv = nn.Linear(d, (self.num_heads + 2 * self.num_kv_heads) * hd, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=o_bias)
-        self.gate_up = nn.Linear(d, 2 * cfg.intermediate_size, bias=mlp_bias)
-        self.down = nn.Linear(cfg.intermediate_size, d, bias=mlp_bias)
+        self.qkv = Dense(d, (self.num_heads + 2 * self.num_kv_heads) * hd, qkv_bias)
+        self.o_proj = Dense(self.num_heads * hd, d, o_bias)
+        self.gate_up = Dense(d, 2 * cfg.intermediate_size, mlp_bias)
+        self.down = Dense(cfg.intermediate_size, d, mlp_bias)
         self.input_norm = nn.Parameter(torch.ones(d))
         self.post_norm = nn.Parameter(torch.ones(d))
         self.qk_norm = cfg.model_type == "qwen3"
@@ -111,7 +130,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, w) for i, w in enumerate(windows))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Tied or not, the head keeps its own [hidden, vocab] copy: the embedding's layout
+        # suits lookups, not the GEMM.
+        self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
         self.cos = self.sin = torch.empty(0)
         self.workspace = Workspace()
@@ -133,8 +154,7 @@ class LlamaModel(nn.Module):
         # Only rows that sample need the norm and the (large) LM head.
         h = (x + residual).index_select(0, batch.logits_indices)
         h = F.rms_norm(h, (h.shape[-1],), self.norm, self.config.rms_norm_eps)
-        weight = self.embed.weight if self.tied else self.lm_head.weight
-        return F.linear(h, weight)
+        return self.lm_head(h)
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises on missing tensors."""
@@ -144,26 +164,26 @@ class LlamaModel(nn.Module):
             return tensors.pop(name)
 
         with torch.no_grad():
-            self.embed.weight.copy_(take("model.embed_tokens.weight"))
+            embed = take("model.embed_tokens.weight")
+            self.embed.weight.copy_(embed)
             self.norm.copy_(take("model.norm.weight"))
-            if not self.tied:
-                self.lm_head.weight.copy_(take("lm_head.weight"))
-            tensors.pop("lm_head.weight", None)
+            head = tensors.pop("lm_head.weight", None)
+            if head is None and not self.tied:
+                raise KeyError("checkpoint has no tensor 'lm_head.weight'")
+            self.lm_head.load(embed if self.tied else head)
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 a = p + "self_attn."
-                layer.qkv.weight.copy_(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]))
-                if layer.qkv.bias is not None:
-                    layer.qkv.bias.copy_(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
-                layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
-                if layer.o_proj.bias is not None:
-                    layer.o_proj.bias.copy_(take(a + "o_proj.bias"))
                 m = p + "mlp."
-                layer.gate_up.weight.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
-                layer.down.weight.copy_(take(m + "down_proj.weight"))
-                if layer.gate_up.bias is not None:
-                    layer.gate_up.bias.copy_(torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")]))
-                    layer.down.bias.copy_(take(m + "down_proj.bias"))
+                qkv_bias = [take(a + f"{n}_proj.bias") for n in "qkv"] if layer.qkv.bias is not None else None
+                layer.qkv.load(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
+                               torch.cat(qkv_bias) if qkv_bias else None)
+                layer.o_proj.load(take(a + "o_proj.weight"),
+                                  take(a + "o_proj.bias") if layer.o_proj.bias is not None else None)
+                mlp_bias = layer.gate_up.bias is not None
+                layer.gate_up.load(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+                                   torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")]) if mlp_bias else None)
+                layer.down.load(take(m + "down_proj.weight"), take(m + "down_proj.bias") if mlp_bias else None)
                 layer.input_norm.copy_(take(p + "input_layernorm.weight"))
                 layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
                 if layer.qk_norm:

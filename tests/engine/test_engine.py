@@ -534,3 +534,15 @@ def test_random_interleavings_keep_blocks_consistent(small, oracle, ops):
         if params.greedy:  # whatever the interleaving, preemption or fork: the tokens of the prompt alone
             expected = oracle(prompt, params.max_tokens)
             assert [c.token_ids for c in out.outputs] == [expected] * params.n, rid
+
+
+def test_kv_cache_memory_accepts_sizes_and_shares():
+    from kvcache.config import EngineConfig, parse_bytes
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("500MB") == 500 * 10**6
+    assert parse_bytes(1024) == 1024
+    assert 0 < parse_bytes("10%") < parse_bytes("20%")
+    for bad in ("0%", "150%", "x%", "-1GiB", "12 parsecs", 0):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    assert EngineConfig(kv_cache_memory="1MiB").kv_cache_memory == 2**20
