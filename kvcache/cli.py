@@ -16,7 +16,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB, 500MB, or 25%% of available memory (CPU default: 4GiB, "
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB, 500MB, or 25%% of available memory (CPU default: 2GiB, "
                    "at most half of available memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
