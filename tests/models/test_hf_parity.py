@@ -76,25 +76,16 @@ def test_prefill_matches_hf(models, arch):
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("chunk", [7, 1], ids=["chunked-prefill", "token-by-token-decode"])
 @pytest.mark.parametrize("arch", list(TINY_ARCHS))
-def test_chunked_prefill_matches_hf(models, arch):
+def test_incremental_matches_hf(models, arch, chunk):
+    """The prompt fed `chunk` tokens at a time on top of the cache gives transformers' logits."""
     model, hf = models[arch]
-    ids = _prompt(PROMPT_LEN, seed=2)
+    ids = _prompt(PROMPT_LEN, seed=1 + chunk)
     ref = _hf_logits(hf, ids)
-    r = Runner(model, seed=1)
+    r = Runner(model, seed=chunk)
     table = r.table(len(ids))
-    got = torch.cat([r.step([SeqChunk(ids[s:s + 7], s, table)]) for s in range(0, len(ids), 7)])
-    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
-
-
-@pytest.mark.parametrize("arch", list(TINY_ARCHS))
-def test_token_by_token_decode_matches_hf(models, arch):
-    model, hf = models[arch]
-    ids = _prompt(PROMPT_LEN, seed=3)
-    ref = _hf_logits(hf, ids)
-    r = Runner(model, seed=2)
-    table = r.table(len(ids))
-    got = torch.cat([r.step([SeqChunk([t], i, table)]) for i, t in enumerate(ids)])
+    got = torch.cat([r.step([SeqChunk(ids[s:s + chunk], s, table)]) for s in range(0, len(ids), chunk)])
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
