@@ -41,7 +41,7 @@ class EngineConfig:
     model: str | None = None  # HF directory or GGUF file; None = the demo model
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 128  # sequences in one step at most
-    max_num_batched_tokens: int = 1024  # tokens in one step at most (prefill chunks + decodes)
+    max_num_batched_tokens: int = 2048  # tokens in one step at most (prefill chunks + decodes); vLLM v0 default
     max_model_len: int | None = None  # prompt + output tokens; None = the model's context length
     kv_cache_memory: int | str | None = None  # KV cache bytes ('2GiB', or '25%' of available RAM); None = default
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV cache
