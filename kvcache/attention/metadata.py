@@ -58,6 +58,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # rows whose next-token logits are wanted
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    decode_kernel: bool = False  # decode rows go through the C++ CPU kernel (no groups, no masks)
 
     @property
     def num_tokens(self) -> int:
@@ -72,12 +73,12 @@ def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> 
 
 
 def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | None, ...] = (None,),
-                device: str | torch.device = "cpu", group_decodes: bool = True, masks: bool = True) -> ForwardBatch:
+                device: str | torch.device = "cpu", decode_kernel: bool = False) -> ForwardBatch:
     """Flatten `chunks` into a ForwardBatch.
 
-    Chunks of one token on a non-empty cache are decode rows. `group_decodes` splits them
-    into groups of similar length (the padded torch path wants that; a kernel that walks
-    block tables does not); `masks=False` skips the decode padding masks such a kernel ignores.
+    Chunks of one token on a non-empty cache are decode rows. For the padded torch path they
+    are split into groups of similar length, each with padding masks; with `decode_kernel`
+    (a kernel that walks block tables) they form one group and need no masks.
     """
     ids: list[int] = []
     pos: list[int] = []
@@ -112,16 +113,17 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
     while i < len(decodes):
         longest = decodes[i][1]
         j = i + 1
-        while j < len(decodes) and (not group_decodes or decodes[j][1] >= _GROUP_FILL * longest):
+        while j < len(decodes) and (decode_kernel or decodes[j][1] >= _GROUP_FILL * longest):
             j += 1
         members = decodes[i:j]
         nb = -(-longest // block_size)
         table = [t[:nb] + [0] * (nb - len(t[:nb])) for _, _, t in members]
         ctx = torch.tensor([m[1] for m in members], device=device)[:, None]
         k_pos = torch.arange(nb * block_size, device=device)[None, :]
-        dmasks = {w: _window_ok(ctx - 1, k_pos, w)[:, None, None, :] for w in windows} if masks else {}
+        dmasks = {w: _window_ok(ctx - 1, k_pos, w)[:, None, None, :] for w in windows} if not decode_kernel else {}
         groups.append(DecodeGroup(torch.tensor([m[0] for m in members], device=device),
                                   torch.tensor(table, device=device), ctx[:, 0].contiguous(), dmasks))
         i = j
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return ForwardBatch(as_long(ids), as_long(pos), as_long(slots), as_long(logit_rows), groups, prefills)
+    return ForwardBatch(as_long(ids), as_long(pos), as_long(slots), as_long(logit_rows), groups, prefills,
+                        decode_kernel)

@@ -44,7 +44,7 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, ws: Workspace, name: s
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch: ForwardBatch, scale: float, window: int | None,
-                    ws: Workspace, kernel: bool = False) -> torch.Tensor:
+                    ws: Workspace) -> torch.Tensor:
     """Attention output [T, H, D] for queries q [T, H, D].
 
     k, v [T, KVH, D] are this step's new keys/values, already written to the caches
@@ -55,7 +55,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     gqa = H != kvh
     out = torch.empty_like(q)
     for g in batch.decode_groups:
-        if kernel:
+        if batch.decode_kernel:
             o = ws.get("decode_out", (g.rows.numel(), H, D), q)
             cpu_kernel.paged_decode(o, q.index_select(0, g.rows), k_cache, v_cache, g.block_table,
                                     g.context_lens, scale, window)

@@ -16,7 +16,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, store: KVStore, kv: KVCacheManager, device: torch.device) -> None:
         self.model, self.store, self.kv, self.device = model, store, kv, device
-        model.decode_kernel = use_cpu_kernel(device, next(model.parameters()).dtype)
+        self.decode_kernel = use_cpu_kernel(device, next(model.parameters()).dtype)
 
     def execute(self, chunks: list[tuple[Sequence, int]],
                 block_copies: list[tuple[int, int]]) -> tuple[list[Sequence], torch.Tensor]:
@@ -29,9 +29,7 @@ class ModelRunner:
             specs.append(SeqChunk(seq.token_ids[start:start + n], start, self.kv.block_tables[seq.seq_id], last))
             if last:
                 sampled.append(seq)
-        kernel = self.model.decode_kernel
-        batch = build_batch(specs, self.store.block_size, self.model.windows, self.device,
-                            group_decodes=not kernel, masks=not kernel)
+        batch = build_batch(specs, self.store.block_size, self.model.windows, self.device, self.decode_kernel)
         # Denormal floats run many times slower on x86 CPUs; flush them to zero during the
         # forward only, since the setting is process-wide and other code may rely on them.
         flush = self.device.type == "cpu" and torch.set_flush_denormal(True)

@@ -96,7 +96,7 @@ class DecoderLayer(nn.Module):
         self.scale = hd ** -0.5
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, store: KVStore, ws: Workspace, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: ForwardBatch, store: KVStore, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x if residual is None else residual + x
         h = F.rms_norm(residual, (residual.shape[-1],), self.input_norm, self.eps)
         T, hd = h.shape[0], self.head_dim
@@ -107,8 +107,7 @@ class DecoderLayer(nn.Module):
             k = F.rms_norm(k, (hd,), self.k_norm, self.eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         store.write(self.index, batch.slot_mapping, k, v)
-        o = paged_attention(q, k, v, store.k[self.index], store.v[self.index], batch, self.scale, self.window, ws,
-                            kernel)
+        o = paged_attention(q, k, v, store.k[self.index], store.v[self.index], batch, self.scale, self.window, ws)
         x = self.o_proj(o.view(T, -1))
         residual = residual + x
         h = F.rms_norm(residual, (residual.shape[-1],), self.post_norm, self.eps)
@@ -136,7 +135,6 @@ class LlamaModel(nn.Module):
         self.max_positions = max_positions
         self.cos = self.sin = torch.empty(0)
         self.workspace = Workspace()
-        self.decode_kernel = False  # set by the runner: decode rows through the C++ CPU kernel
 
     def init_rope(self, device: str | torch.device = "cpu") -> None:
         """Build the RoPE cos/sin tables for positions [0, max_positions) (kept in fp32)."""
@@ -150,7 +148,7 @@ class LlamaModel(nn.Module):
         sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, batch, store, self.workspace, self.decode_kernel)
+            x, residual = layer(x, residual, cos, sin, batch, store, self.workspace)
         # Only rows that sample need the norm and the (large) LM head.
         h = (x + residual).index_select(0, batch.logits_indices)
         h = F.rms_norm(h, (h.shape[-1],), self.norm, self.config.rms_norm_eps)

@@ -71,13 +71,13 @@ def run_case(seqs: list[tuple[int, int]], block_size: int, heads: int, kv_heads:
 
     windows = windows_in_batch if windows_in_batch is not None else (window,)
     chunks = [SeqChunk([5] * n, c, t) for (c, n), t in zip(seqs, tables)]
-    batch = build_batch(chunks, block_size, windows, group_decodes=not kernel, masks=not kernel)
+    batch = build_batch(chunks, block_size, windows, decode_kernel=kernel)
     k_new = torch.cat([hk[c:] for hk, (c, _) in zip(hist_k, seqs)])
     v_new = torch.cat([hv[c:] for hv, (c, _) in zip(hist_v, seqs)])
     q = torch.cat(qs)
     store.write(0, batch.slot_mapping, k_new, v_new)
     scale = head_dim ** -0.5
-    out = paged_attention(q, k_new, v_new, store.k[0], store.v[0], batch, scale, window, Workspace(), kernel)
+    out = paged_attention(q, k_new, v_new, store.k[0], store.v[0], batch, scale, window, Workspace())
     ref = torch.cat([reference(qi, hk, hv, c, scale, window)
                      for qi, hk, hv, (c, _) in zip(qs, hist_k, hist_v, seqs)])
     return out, ref, batch
