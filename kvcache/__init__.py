@@ -1,6 +1,21 @@
 """kvcache: an LLM inference engine built around its KV cache."""
-from kvcache.engine.llm import LLM
-from kvcache.engine.llm_engine import CompletionOutput, LLMEngine, RequestOutput
-from kvcache.engine.sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+import importlib
+
+# Loaded on first use so that torch-free parts (`kvcache plan`, `kvcache simulate`) start fast.
+_EXPORTS = {
+    "LLM": "kvcache.engine.llm",
+    "LLMEngine": "kvcache.engine.llm_engine",
+    "RequestOutput": "kvcache.engine.llm_engine",
+    "CompletionOutput": "kvcache.engine.llm_engine",
+    "SamplingParams": "kvcache.engine.sampling_params",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kvcache' has no attribute {name!r}")

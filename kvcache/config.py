@@ -6,13 +6,16 @@ from dataclasses import dataclass
 
 import psutil
 
+from kvcache.plan.capacity import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from kvcache.plan.kv_bytes import DEFAULT_BLOCK_SIZE
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
 
 CPU_DEFAULT_KV_BYTES = 2 * 2**30  # half of vLLM CPU backend's 4 GiB: zeroing 4 GiB takes ~6 s here
 
 
-def parse_bytes(value: str | int | float) -> int:
+def parse_bytes(value: str | int | float, allow_zero: bool = False) -> int:
     """'4GiB', '512MiB', '2e9', 1073741824 -> bytes; '25%' -> that share of the memory available now."""
     if isinstance(value, str) and value.strip().endswith("%"):
         try:
@@ -29,8 +32,8 @@ def parse_bytes(value: str | int | float) -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"cannot read {value!r} as a size in bytes (examples: 4GiB, 512MiB, 2e9)")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise ValueError(f"a memory size must be positive, got {value!r}")
+    if n < 0 or (n == 0 and not allow_zero):
+        raise ValueError(f"a memory size must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
     return n
 
 
@@ -39,9 +42,9 @@ class EngineConfig:
     """Everything an engine is started with. Sizes in tokens unless named otherwise."""
 
     model: str | None = None  # HF directory or GGUF file; None = the demo model
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 128  # sequences in one step at most
-    max_num_batched_tokens: int = 2048  # tokens in one step at most (prefill chunks + decodes); vLLM v0 default
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV block
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # sequences in one step at most
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output tokens; None = the model's context length
     kv_cache_memory: int | str | None = None  # KV cache bytes ('2GiB', or '25%' of available RAM); None = default
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV cache

@@ -32,7 +32,7 @@ def test_generate_prints_text_and_kv_summary(tiny_llama, capsys):
     assert "[4 tokens, finish_reason=length]" in err
     assert "--- KV cache ---" in out, "the KV summary did not go to stdout"
     summary = out[out.index("--- KV cache ---"):]
-    assert "per token : 2 x 2 layers x 2 kv_heads x 16 head_dim x 4 bytes = 512 bytes/token" in summary
+    assert "per token : 2 full layers x 2 x 2 kv_heads x 16 head_dim x 4 bytes = 512 bytes/token" in summary
     # 1 MiB / (16 tokens x 512 bytes) = 128 blocks.
     assert "pool      : 128 blocks x 16 tokens = 2,048 tokens" in summary
     assert "this run  : 2 prompt + 4 generated tokens" in summary

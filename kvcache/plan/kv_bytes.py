@@ -1,37 +1,209 @@
 """The KV byte formula: the single place that says what one cached token costs.
 
-Everything that sizes or reports the KV cache (the engine's block pool, its start-up
-log, `LLM.kv_cache_info()`) goes through these functions. No torch here.
+Everything that sizes or reports the KV cache (the engine's block pool, its start-up log,
+`LLM.kv_cache_info()`, `kvcache plan`, `kvcache simulate`) goes through these functions.
+No torch here.
+
+Per token and attention layer:
+- MHA/GQA/MQA, full or sliding window: K and V, each `kv_heads x head_dim` values.
+- MLA: one latent of `kv_lora_rank + qk_rope_head_dim` values (no K/V pair, no heads).
+- linear-attention / state-space layers: nothing per token; a constant state per request.
+Sliding-window layers hold at most `window` tokens of a sequence.
+
+Quantized formats store scales beside the values (fp16 scales, as the store lays them out):
+- fp8_e4m3, fp8_e5m2, int8: one scale per token and KV head (dynamic, set at write time).
+- int4, int2 (KIVI): keys per channel over groups of 64 tokens, values per token over
+  groups of 64 channels, each group with an fp16 scale and zero point. Values are quantized
+  as they are written; a key group needs all 64 tokens, so each sequence keeps the keys of
+  its newest tokens (at most 63: the 64th completes the group) in fp16: a residual buffer per
+  sequence, counted per request.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+from kvcache.plan.shape import ModelShape
+
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
-class AttentionShape:
-    """What the KV cache of a decoder must hold per token and layer."""
+class KVDtype:
+    """How one cached value is stored, and what its scales cost."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    sliding_window: int | None = None  # tokens; None = full attention
+    name: str
+    bits: int  # per stored value
+    scales: Literal["none", "per-token-head", "kivi"] = "none"
+    group: int = 0  # kivi: tokens per key-channel group, channels per value-token group
+    residual_tokens: int = 0  # newest tokens per sequence whose keys stay fp16 until their group fills
+
+    def describe(self) -> str:
+        if self.scales == "none":
+            return f"{self.name}: {self.bits // 8} bytes per value, no scales"
+        if self.scales == "per-token-head":
+            return f"{self.name}: 1 byte per value + one fp16 scale per token and KV head"
+        return (f"{self.name}: {self.bits} bits per value (packed {8 // self.bits} per byte); KIVI scales: keys per channel "
+                f"over {self.group}-token groups, values per token over {self.group}-channel groups, fp16 scale + zero "
+                f"point per group; the keys of up to {self.residual_tokens} newest tokens per sequence kept in fp16")
 
 
-def kv_bytes_per_token(shape: AttentionShape, dtype: str) -> int:
-    """Bytes one token occupies in the cache across all layers: 2 (K and V) x layers x kv_heads x head_dim x bytes."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown KV cache dtype {dtype!r}; supported: {', '.join(DTYPE_BYTES)}")
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]
+KV_DTYPES: dict[str, KVDtype] = {d.name: d for d in (
+    KVDtype("float32", 32), KVDtype("bfloat16", 16), KVDtype("float16", 16),
+    KVDtype("fp8_e4m3", 8, "per-token-head"), KVDtype("fp8_e5m2", 8, "per-token-head"),
+    KVDtype("int8", 8, "per-token-head"),
+    KVDtype("int4", 4, "kivi", group=64, residual_tokens=63), KVDtype("int2", 2, "kivi", group=64, residual_tokens=63),
+)}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8": "fp8_e4m3",
+                 "fp8_e4m3fn": "fp8_e4m3"}
+_SCALE_BYTES = 2  # fp16
 
 
-def kv_formula(shape: AttentionShape, dtype: str) -> str:
-    """The formula with this model's numbers substituted, for logs and reports."""
-    total = kv_bytes_per_token(shape, dtype)  # validates dtype
-    return (f"2 x {shape.num_layers} layers x {shape.num_kv_heads} kv_heads x {shape.head_dim} head_dim"
-            f" x {DTYPE_BYTES[dtype]} bytes = {total:,} bytes/token")
+def kv_dtype(name: str) -> KVDtype:
+    """The storage format called `name` (aliases: fp32, bf16, fp16, fp8). Raises with the supported list."""
+    spec = KV_DTYPES.get(DTYPE_ALIASES.get(name, name))
+    if spec is None:
+        raise ValueError(f"unknown KV cache dtype {name!r}; supported: {', '.join(KV_DTYPES)} "
+                         f"(aliases {', '.join(DTYPE_ALIASES)})")
+    return spec
+
+
+def _tensor_bytes(d: int, spec: KVDtype, key: bool) -> int:
+    """Bytes per token of one head's `d` cached values, scales included."""
+    data = d * spec.bits // 8
+    if spec.scales == "per-token-head":
+        return data + _SCALE_BYTES
+    if spec.scales == "kivi":
+        if key:  # one scale + zero per channel per `group` tokens, amortized per token
+            if (d * 2 * _SCALE_BYTES) % spec.group:
+                raise ValueError(f"{spec.name} needs head_dim x 4 divisible by {spec.group}, got head_dim {d}")
+            return data + d * 2 * _SCALE_BYTES // spec.group
+        return data + math.ceil(d / spec.group) * 2 * _SCALE_BYTES
+    return data
+
+
+def heads_per_gpu(kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each GPU stores: split across tensor-parallel ranks, replicated (not split) below one per rank."""
+    tp = tensor_parallel_size
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the {kv_heads} KV heads or be a multiple of them")
+    return max(1, kv_heads // tp)
+
+
+def layer_bytes_per_token(shape: ModelShape, dtype: str, kind: str, tensor_parallel_size: int = 1) -> int:
+    """Bytes one token costs in one layer of `kind` (on one GPU under tensor parallelism)."""
+    spec = kv_dtype(dtype)
+    if kind == "linear":
+        return 0
+    if kind == "mla":  # the latent is replicated on every tensor-parallel rank
+        return _tensor_bytes(shape.kv_lora_rank + shape.qk_rope_head_dim, spec, key=False)
+    heads = heads_per_gpu(shape.num_kv_heads, tensor_parallel_size)
+    return heads * (_tensor_bytes(shape.head_dim, spec, key=True) + _tensor_bytes(shape.head_dim, spec, key=False))
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Bytes one token occupies in the cache across all attention layers (scales included).
+
+    This is what a paged pool charges per token slot: every attention layer stores the token
+    (a sliding-window layer only while it is in the window; the pool does not free out-of-window blocks).
+    """
+    return sum(layer_bytes_per_token(shape, dtype, k, tensor_parallel_size) for k in shape.layer_kinds)
+
+
+def residual_bytes_per_seq(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Bytes of the fp16 buffer holding a sequence's newest keys until their quantization group fills (KIVI).
+
+    MLA latents are quantized per token like values, so they need no residual.
+    """
+    spec = kv_dtype(dtype)
+    layers = shape.count("full") + shape.count("sliding")
+    if not spec.residual_tokens or not layers:
+        return 0
+    heads = heads_per_gpu(shape.num_kv_heads, tensor_parallel_size)
+    return spec.residual_tokens * layers * heads * shape.head_dim * 2
+
+
+def state_bytes_per_seq(shape: ModelShape, state_dtype: str = "bfloat16", tensor_parallel_size: int = 1) -> int:
+    """Constant state of the linear-attention / state-space layers for one request (heads split by TP)."""
+    if not shape.linear_state_values:
+        return 0
+    per_layer = shape.linear_state_values // min(tensor_parallel_size, max(1, shape.linear_heads))
+    return shape.count("linear") * per_layer * kv_dtype(state_dtype).bits // 8
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Layers of one kind that cost the same per token."""
+
+    kind: str
+    count: int
+    bytes_per_token: int  # per layer
+    window: int | None  # tokens cached at most; None = all
+
+
+def layer_groups(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> list[LayerGroup]:
+    """The attention layers grouped by kind, in first-appearance order."""
+    groups = []
+    for kind in dict.fromkeys(k for k in shape.layer_kinds if k != "linear"):
+        groups.append(LayerGroup(kind, shape.count(kind), layer_bytes_per_token(shape, dtype, kind, tensor_parallel_size),
+                                 shape.layer_window(kind)))
+    return groups
+
+
+@dataclass(frozen=True, slots=True)
+class CacheBytes:
+    """Exact cache bytes for `batch` sequences of `seq_len` tokens."""
+
+    batch: int
+    seq_len: int
+    attention_bytes: int  # per-token K/V (or MLA latent), sliding layers capped at their window
+    residual_bytes: int  # fp16 buffers of quantization residuals (int4/int2)
+    state_bytes: int  # linear-attention / SSM state
+    total_bytes: int
+    paged_bytes: int  # what kvcache's paged pool holds: every attention layer keeps every token
+
+
+def kv_cache_bytes(shape: ModelShape, dtype: str, batch: int, seq_len: int, tensor_parallel_size: int = 1,
+                   state_dtype: str = "bfloat16") -> CacheBytes:
+    """Cache of `batch` x `seq_len` tokens, counted layer by layer."""
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"batch and seq_len must be positive, got batch={batch}, seq_len={seq_len}")
+    tp = tensor_parallel_size
+    attn = sum(g.count * g.bytes_per_token * min(seq_len, g.window or seq_len) for g in layer_groups(shape, dtype, tp))
+    attn *= batch
+    residual = batch * residual_bytes_per_seq(shape, dtype, tp)
+    state = batch * state_bytes_per_seq(shape, state_dtype, tp)
+    paged = batch * seq_len * kv_bytes_per_token(shape, dtype, tp) + residual + state
+    return CacheBytes(batch, seq_len, attn, residual, state, attn + residual + state, paged)
+
+
+def _term(d: int, spec: KVDtype, key: bool) -> str:
+    """One head's bytes per token as a formula: '128 x 2' or '(64 + 4 scale)'."""
+    if spec.scales == "none":
+        return f"{d} x {spec.bits // 8}"
+    data = d * spec.bits // 8
+    return f"({data} + {_tensor_bytes(d, spec, key) - data} scale)"
+
+
+def kv_formula(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> str:
+    """Bytes per token with this model's numbers substituted, for logs and reports."""
+    spec = kv_dtype(dtype)
+    heads = heads_per_gpu(shape.num_kv_heads, tensor_parallel_size)
+    terms = []
+    for g in layer_groups(shape, dtype, tensor_parallel_size):
+        if g.kind == "mla":
+            what = f"({shape.kv_lora_rank} latent + {shape.qk_rope_head_dim} rope) values x {spec.bits / 8:g} bytes"
+            if spec.scales != "none":
+                what = f"{_term(shape.kv_lora_rank + shape.qk_rope_head_dim, spec, False)} bytes"
+        elif spec.scales == "none":
+            what = f"2 x {heads} kv_heads x {shape.head_dim} head_dim x {spec.bits // 8} bytes"
+        else:
+            what = (f"{heads} kv_heads x (K {_term(shape.head_dim, spec, True)} + "
+                    f"V {_term(shape.head_dim, spec, False)}) bytes")
+        terms.append(f"{g.count} {g.kind} layers x {what} = {g.count * g.bytes_per_token:,}")
+    total = kv_bytes_per_token(shape, dtype, tensor_parallel_size)
+    return (" + ".join(terms) if len(terms) > 1 else terms[0].rsplit(" = ", 1)[0]) + f" = {total:,} bytes/token"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,20 +214,36 @@ class CacheCapacity:
     block_size: int  # tokens per block
     num_blocks: int
     num_tokens: int
-    total_bytes: int
+    total_bytes: int  # bytes the blocks take
     max_model_len: int
     max_concurrency: float  # requests of max_model_len tokens that fit at once
+    seq_blocks: int = 0  # blocks each request also needs for its per-sequence buffers (residual keys, state)
 
 
-def cache_capacity(shape: AttentionShape, dtype: str, budget_bytes: int, block_size: int,
-                   max_model_len: int) -> CacheCapacity:
-    """Blocks, tokens and concurrency a budget of `budget_bytes` buys. Raises if not even one block fits."""
-    per_token = kv_bytes_per_token(shape, dtype)
+def sequence_blocks(shape: ModelShape, dtype: str, block_size: int, tensor_parallel_size: int = 1,
+                    state_dtype: str = "bfloat16") -> int:
+    """Blocks' worth of memory a request needs besides its tokens: quantization residual and linear-layer state."""
+    block_bytes = kv_bytes_per_token(shape, dtype, tensor_parallel_size) * block_size
+    extra = (residual_bytes_per_seq(shape, dtype, tensor_parallel_size)
+             + state_bytes_per_seq(shape, state_dtype, tensor_parallel_size))
+    return -(-extra // block_bytes) if block_bytes else 0
+
+
+def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size: int, max_model_len: int,
+                   tensor_parallel_size: int = 1, state_dtype: str = "bfloat16") -> CacheCapacity:
+    """Blocks, tokens and concurrency a budget of `budget_bytes` buys. Raises if not even one block fits.
+
+    A request of L tokens takes ceil(L / block_size) blocks plus `sequence_blocks` for its
+    per-sequence buffers, drawn from the same pool.
+    """
+    tp = tensor_parallel_size
+    per_token = kv_bytes_per_token(shape, dtype, tp)
     block_bytes = per_token * block_size
-    num_blocks = budget_bytes // block_bytes
+    num_blocks = budget_bytes // block_bytes if block_bytes else 0
     if num_blocks < 1:
         raise ValueError(f"KV cache budget of {budget_bytes:,} bytes is smaller than one block "
                          f"({block_size} tokens x {per_token:,} bytes = {block_bytes:,} bytes)")
-    blocks_per_request = -(-max_model_len // block_size)
+    extra = sequence_blocks(shape, dtype, block_size, tp, state_dtype)
+    blocks_per_request = -(-max_model_len // block_size) + extra
     return CacheCapacity(per_token, block_size, num_blocks, num_blocks * block_size, num_blocks * block_bytes,
-                         max_model_len, num_blocks / blocks_per_request)
+                         max_model_len, num_blocks / blocks_per_request, extra)

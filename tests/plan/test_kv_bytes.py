@@ -1,110 +1,185 @@
-"""The KV byte formula and how a budget divides into blocks and tokens."""
+"""The KV byte formula: per attention kind and dtype, the issue's reference values, and how a budget divides."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcache.plan.kv_bytes import DTYPE_BYTES, AttentionShape, cache_capacity, kv_bytes_per_token, kv_formula
+from kvcache.plan.kv_bytes import (KV_DTYPES, cache_capacity, heads_per_gpu, kv_bytes_per_token, kv_cache_bytes,
+                                   kv_dtype, kv_formula, layer_bytes_per_token, residual_bytes_per_seq,
+                                   sequence_blocks, state_bytes_per_seq)
+from kvcache.plan.model_source import load_model_shape
+from kvcache.plan.shape import ModelShape
 
-SMOLLM2 = AttentionShape(num_layers=30, num_kv_heads=3, head_dim=64)
+GiB = 2**30
+SMOLLM2 = ModelShape(num_layers=30, num_kv_heads=3, head_dim=64, num_attention_heads=9)
 
 
-def test_smollm2_fp32():
-    assert kv_bytes_per_token(SMOLLM2, "float32") == 46_080
-
-
-@pytest.mark.parametrize("dtype,want", [("float32", 46_080), ("bfloat16", 23_040), ("float16", 23_040)])
+@pytest.mark.parametrize("dtype,want", [("float32", 46_080), ("bfloat16", 23_040), ("float16", 23_040),
+                                        ("fp32", 46_080), ("bf16", 23_040)])
 def test_smollm2_dtypes(dtype, want):
     assert kv_bytes_per_token(SMOLLM2, dtype) == want
 
 
-def test_llama3_8b():
-    # 32 layers, 8 kv heads (GQA), head_dim 128, bf16: the well-known 128 KiB per token
-    assert kv_bytes_per_token(AttentionShape(32, 8, 128), "bfloat16") == 131_072
+def test_llama3_8b_is_128_kib_per_token():
+    assert kv_bytes_per_token(load_model_shape("llama-3-8b"), "bfloat16") == 131_072
 
 
-def test_mqa_and_sliding_window_shape():
-    assert kv_bytes_per_token(AttentionShape(2, 1, 16), "float32") == 2 * 2 * 1 * 16 * 4
-    # a paged store keeps every token, so the per-token cost does not depend on the window
-    assert kv_bytes_per_token(AttentionShape(2, 2, 16, sliding_window=24), "float32") == 2 * 2 * 2 * 16 * 4
+# ---- the issue's reference values --------------------------------------------------------------
+
+def test_llama3_70b_fp16_batch16_16k():
+    # 2 x 80 layers x 8 KV heads x 128 x 2 bytes = 327,680 bytes/token; x 16 x 16,384 tokens = 80 GiB.
+    # The issue quotes 68,719,476,736 (64 GiB), which would need 64 layers: it contradicts its own third
+    # reference (128k tokens = 40 GiB), since 16 x 16,384 tokens is exactly twice 131,072.
+    shape = load_model_shape("llama-3-70b")
+    assert kv_cache_bytes(shape, "float16", 16, 16_384).total_bytes == 85_899_345_920 == 80 * GiB
+    assert kv_cache_bytes(shape, "float16", 16, 16_384).total_bytes == 2 * kv_cache_bytes(
+        shape, "bfloat16", 1, 131_072).total_bytes
+
+
+def test_llama3_70b_bf16_128k_is_40_gib():
+    assert kv_cache_bytes(load_model_shape("llama-3-70b"), "bfloat16", 1, 131_072).total_bytes == 40 * GiB
+
+
+def test_80_layer_mha_d8192():
+    # MHA, d_model 8192 (64 heads x 128): 2 x 80 x 8192 x 2 bytes = 2,621,440 bytes/token; x 16 x 4,096 = 160 GiB.
+    # The issue's 137,438,953,472 (128 GiB) again corresponds to 64 layers, not 80.
+    shape = ModelShape(num_layers=80, num_kv_heads=64, head_dim=128, num_attention_heads=64)
+    assert shape.attention_kind == "MHA"
+    assert kv_cache_bytes(shape, "float16", 16, 4096).total_bytes == 171_798_691_840 == 160 * GiB
+
+
+# ---- attention kinds ---------------------------------------------------------------------------
+
+def test_gqa_and_mqa_use_kv_heads_not_query_heads():
+    gqa = ModelShape(num_layers=4, num_kv_heads=2, head_dim=64, num_attention_heads=8)
+    mqa = ModelShape(num_layers=4, num_kv_heads=1, head_dim=64, num_attention_heads=8)
+    assert (gqa.attention_kind, mqa.attention_kind) == ("GQA", "MQA")
+    assert kv_bytes_per_token(gqa, "float16") == 2 * 4 * 2 * 64 * 2
+    assert kv_bytes_per_token(mqa, "float16") == 2 * 4 * 1 * 64 * 2
+
+
+def test_mla_caches_one_latent_without_the_kv_pair():
+    v3 = load_model_shape("deepseek-v3")
+    assert v3.attention_kind == "MLA"
+    assert kv_bytes_per_token(v3, "bfloat16") == 61 * (512 + 64) * 2 == 70_272
+    lite = load_model_shape("deepseek-v2-lite")
+    assert kv_bytes_per_token(lite, "bfloat16") == 27 * 576 * 2 == 31_104
+    # tensor parallelism replicates the latent: every rank stores all of it
+    assert kv_bytes_per_token(v3, "bfloat16", tensor_parallel_size=8) == 70_272
+
+
+def test_gemma2_uses_stated_head_dim_and_caps_sliding_layers():
+    g = load_model_shape("gemma-2-9b")
+    assert g.head_dim == 256 and g.hidden_size // g.num_attention_heads == 224
+    assert (g.count("sliding"), g.count("full"), g.sliding_window) == (21, 21, 4096)
+    assert g.layer_kinds[:2] == ("sliding", "full")
+    per_layer = 2 * 8 * 256 * 2
+    assert kv_bytes_per_token(g, "bfloat16") == 42 * per_layer
+    c = kv_cache_bytes(g, "bfloat16", 2, 8192)
+    assert c.total_bytes == 2 * (21 * per_layer * 8192 + 21 * per_layer * 4096)
+    assert c.paged_bytes == 2 * 42 * per_layer * 8192  # the paged pool keeps every token in every layer
+    # below the window every layer holds every token
+    assert kv_cache_bytes(g, "bfloat16", 1, 4096).total_bytes == 42 * per_layer * 4096
+
+
+def test_mistral_every_layer_windowed():
+    m = load_model_shape("mistral-7b-v0.1")
+    assert set(m.layer_kinds) == {"sliding"}
+    assert kv_cache_bytes(m, "bfloat16", 1, 32_768).total_bytes == 131_072 * 4096
+
+
+def test_linear_attention_layers_cost_constant_state():
+    q = load_model_shape("qwen3-next-80b-a3b")
+    assert (q.count("full"), q.count("linear")) == (12, 36)
+    assert kv_bytes_per_token(q, "bfloat16") == 12 * 2 * 2 * 256 * 2
+    # Gated DeltaNet: 32 value heads x 128 x 128 recurrent + (2 x 16 x 128 + 32 x 128) x (4 - 1) conv, bf16
+    per_layer = 32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3
+    assert state_bytes_per_seq(q) == 36 * per_layer * 2
+    short, long = kv_cache_bytes(q, "bfloat16", 1, 10), kv_cache_bytes(q, "bfloat16", 1, 10_000)
+    assert short.state_bytes == long.state_bytes == 36 * per_layer * 2
+
+
+# ---- quantized storage -------------------------------------------------------------------------
+
+def test_fp8_int8_add_one_fp16_scale_per_token_and_head():
+    shape = load_model_shape("llama-3-8b")
+    for d in ("fp8_e4m3", "fp8_e5m2", "fp8", "int8"):
+        assert kv_bytes_per_token(shape, d) == 32 * 8 * 2 * (128 + 2) == 66_560
+
+
+def test_kivi_int4_int2_layout():
+    shape = load_model_shape("llama-3-8b")
+    # keys: 128 values x 4 bits + (scale, zero) fp16 per channel per 64 tokens = 64 + 8; values: 64 + 2 groups x 4
+    assert kv_bytes_per_token(shape, "int4") == 32 * 8 * ((64 + 8) + (64 + 8)) == 36_864
+    assert kv_bytes_per_token(shape, "int2") == 32 * 8 * ((32 + 8) + (32 + 8)) == 20_480
+    # at most 63 newest keys per sequence wait in fp16 for their group to fill
+    assert residual_bytes_per_seq(shape, "int4") == 63 * 32 * 8 * 128 * 2
+    assert residual_bytes_per_seq(shape, "int8") == 0
+    c = kv_cache_bytes(shape, "int4", 3, 1000)
+    assert c.total_bytes == 3 * 1000 * 36_864 + 3 * residual_bytes_per_seq(shape, "int4")
+
+
+def test_int4_capacity_ratio_on_the_demo_shape():
+    # The quantization issue's target: >= 3.2x the concurrent 1k-token requests of fp16, residual included.
+    fp16 = cache_capacity(SMOLLM2, "float16", GiB, 16, 1024)
+    int4 = cache_capacity(SMOLLM2, "int4", GiB, 16, 1024)
+    assert int4.seq_blocks == sequence_blocks(SMOLLM2, "int4", 16) == 7
+    assert int4.max_concurrency / fp16.max_concurrency >= 3.2
+    assert cache_capacity(SMOLLM2, "int8", GiB, 16, 1024).max_concurrency / fp16.max_concurrency >= 1.9
+
+
+def test_kivi_rejects_head_dims_it_cannot_group():
+    with pytest.raises(ValueError, match="head_dim 40"):
+        kv_bytes_per_token(ModelShape(num_layers=1, num_kv_heads=1, head_dim=40), "int4")
+
+
+def test_unknown_dtype_lists_the_supported_ones():
+    with pytest.raises(ValueError) as e:
+        kv_bytes_per_token(SMOLLM2, "int3")
+    for name in ("int3", *KV_DTYPES, "fp8"):
+        assert name in str(e.value)
 
 
 @given(layers=st.integers(1, 128), kvh=st.integers(1, 64), hd=st.sampled_from([16, 32, 64, 80, 96, 128, 256]),
-       dtype=st.sampled_from(sorted(DTYPE_BYTES)))
-def test_formula(layers, kvh, hd, dtype):
-    per = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    assert kv_bytes_per_token(AttentionShape(layers, kvh, hd), dtype) == 2 * layers * kvh * hd * per
+       dtype=st.sampled_from(["float32", "bfloat16", "float16", "int8", "fp8_e5m2"]))
+def test_formula_matches_textbook(layers, kvh, hd, dtype):
+    shape = ModelShape(num_layers=layers, num_kv_heads=kvh, head_dim=hd)
+    spec = kv_dtype(dtype)
+    scale = 2 if spec.scales != "none" else 0
+    assert kv_bytes_per_token(shape, dtype) == 2 * layers * kvh * (hd * spec.bits // 8 + scale)
+    assert kv_formula(shape, dtype).endswith(f"= {kv_bytes_per_token(shape, dtype):,} bytes/token")
 
 
-def test_unknown_dtype():
-    with pytest.raises(ValueError) as e:
-        kv_bytes_per_token(SMOLLM2, "int3")
-    msg = str(e.value)
-    assert "int3" in msg
-    for d in ("float32", "bfloat16", "float16"):
-        assert d in msg
-    with pytest.raises(ValueError, match="fp32"):
-        cache_capacity(SMOLLM2, "fp32", 1 << 30, 16, 2048)
+def test_formula_substitutes_the_numbers():
+    assert kv_formula(SMOLLM2, "float32") == "30 full layers x 2 x 3 kv_heads x 64 head_dim x 4 bytes = 46,080 bytes/token"
+    assert "(64 + 2 scale)" in kv_formula(SMOLLM2, "int8")
 
 
-def test_kv_formula_unknown_dtype_is_the_same_value_error():
-    with pytest.raises(ValueError, match="int3"):
-        kv_formula(SMOLLM2, "int3")
+# ---- tensor parallelism and capacity -------------------------------------------------------------
+
+def test_heads_split_then_replicate():
+    assert [heads_per_gpu(8, tp) for tp in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    with pytest.raises(ValueError, match="8 KV heads"):
+        heads_per_gpu(8, 3)
+    shape = load_model_shape("llama-3-8b")
+    assert layer_bytes_per_token(shape, "bfloat16", "full", 16) == 2 * 1 * 128 * 2
 
 
-def test_kv_formula_text():
-    s = kv_formula(SMOLLM2, "float32")
-    assert s == "2 x 30 layers x 3 kv_heads x 64 head_dim x 4 bytes = 46,080 bytes/token"
+def test_budget_divides_into_blocks():
+    c = cache_capacity(SMOLLM2, "float32", 2 * GiB, 16, 8192)
+    assert c.num_blocks == 2 * GiB // (16 * 46_080) == 2912
+    assert c.num_tokens == 2912 * 16 and c.total_bytes == 2912 * 16 * 46_080
+    assert c.max_concurrency == pytest.approx(2912 / 512)
 
 
-def test_cache_capacity_smollm2_256mib():
-    budget = 256 * 1024 * 1024
-    cap = cache_capacity(SMOLLM2, "float32", budget, block_size=16, max_model_len=2048)
-    block_bytes = 46_080 * 16  # 737,280
-    assert cap.bytes_per_token == 46_080
-    assert cap.block_size == 16
-    assert cap.num_blocks == 364  # 268,435,456 // 737,280
-    assert cap.num_blocks == budget // block_bytes
-    assert cap.num_tokens == 364 * 16 == 5_824
-    assert cap.total_bytes == 364 * block_bytes == 268_369_920
-    assert cap.total_bytes <= budget
-    assert cap.max_model_len == 2048
-    assert cap.max_concurrency == pytest.approx(364 / 128)
+def test_budget_below_one_block():
+    with pytest.raises(ValueError, match="smaller than one block"):
+        cache_capacity(SMOLLM2, "float32", 1000, 16, 2048)
 
 
-def test_cache_capacity_partial_request_rounds_up_blocks():
-    shape = AttentionShape(1, 1, 2)  # 16 bytes/token fp32
-    cap = cache_capacity(shape, "float32", budget_bytes=16 * 4 * 10 + 63, block_size=4, max_model_len=9)
-    assert cap.num_blocks == 10  # the leftover 63 bytes do not make a block
-    assert cap.num_tokens == 40
-    assert cap.max_concurrency == pytest.approx(10 / 3)  # 9 tokens need 3 blocks of 4
-
-
-def test_cache_capacity_exactly_one_block():
-    per = kv_bytes_per_token(SMOLLM2, "float32")
-    cap = cache_capacity(SMOLLM2, "float32", per * 16, 16, 16)
-    assert cap.num_blocks == 1 and cap.num_tokens == 16 and cap.max_concurrency == 1.0
-
-
-def test_budget_too_small_names_the_numbers():
-    with pytest.raises(ValueError) as e:
-        cache_capacity(SMOLLM2, "float32", budget_bytes=737_279, block_size=16, max_model_len=2048)
-    msg = str(e.value)
-    assert "737,279" in msg  # the budget
-    assert "737,280" in msg  # one block
-    assert "46,080" in msg  # one token
-    assert "16" in msg  # tokens per block
-
-
-@given(budget=st.integers(0, 10**9), bs=st.sampled_from([1, 2, 4, 8, 16, 32]), mml=st.integers(1, 10_000))
-def test_capacity_never_exceeds_budget(budget, bs, mml):
-    per = kv_bytes_per_token(SMOLLM2, "bfloat16")
-    if budget < per * bs:
-        with pytest.raises(ValueError):
-            cache_capacity(SMOLLM2, "bfloat16", budget, bs, mml)
-        return
-    cap = cache_capacity(SMOLLM2, "bfloat16", budget, bs, mml)
-    assert cap.total_bytes <= budget < cap.total_bytes + per * bs
-    assert cap.num_tokens == cap.num_blocks * bs
-    assert cap.total_bytes == cap.num_tokens * per
+def test_bad_batch_or_length():
+    with pytest.raises(ValueError, match="batch=0"):
+        kv_cache_bytes(SMOLLM2, "float32", 0, 10)
+    with pytest.raises(ValueError, match="seq_len=-1"):
+        kv_cache_bytes(SMOLLM2, "float32", 1, -1)

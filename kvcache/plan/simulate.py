@@ -1,0 +1,353 @@
+"""Replay a request trace through KV allocators and measure what each one wastes.
+
+Time model: discrete decode iterations of `step_s` seconds. In each step
+  1. requests whose arrival time has come join a FCFS waiting queue; one that could not fit even
+     into the empty pool is counted as `oom` and dropped;
+  2. every running request gains one token (paged allocators grow lazily). If the pool cannot
+     hold it, the newest running request is preempted: released and put back at the front of the
+     queue, to recompute from scratch later (vLLM's recompute preemption), and the grow is retried;
+  3. unless something was preempted, requests are admitted from the head of the queue while the
+     allocator accepts and fewer than `max_num_seqs` run (head-of-line blocking, as vLLM's FCFS).
+     An admitted request holds prompt+1 tokens: prefill and first token happen in its first step;
+  4. the step is measured; requests holding prompt+output tokens then finish and release.
+Contiguous allocators reserve at admission and never grow past it. No torch here.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvcache.plan.allocators import Allocator, ContiguousExact, Paged, PagedPrefixSharing, ReserveMax
+from kvcache.plan.trace import TraceRequest
+
+MAX_TIMELINE_POINTS = 2000
+
+
+@dataclass(slots=True)
+class AllocatorResult:
+    """What one allocator did with a trace. Utilization = live token slots / allocated slots, averaged
+    over steps where something is allocated; pool usage = allocated / pool; fragmentations are fractions."""
+
+    name: str
+    pool_tokens: int
+    peak_utilization: float
+    mean_utilization: float
+    mean_pool_usage: float
+    peak_pool_usage: float
+    internal_fragmentation: float  # mean (allocated - live) / allocated: reserved or block-tail slots
+    external_fragmentation: float  # mean 1 - largest free run / free, over steps with free memory
+    peak_concurrency: int
+    mean_concurrency: float
+    waited: int  # requests that could not start in the step they arrived
+    oom: int  # requests that could never fit, dropped
+    preemptions: int
+    finished: int
+    makespan_s: float  # seconds until the last request finished
+    timeline: dict[str, list[float | None]] = field(default_factory=dict)  # time_s, utilization, pool_usage
+
+    def to_json(self, timeline: bool = False) -> dict:
+        """A JSON-ready dict; the per-step timeline only when asked (NaN utilization becomes null)."""
+        out = {k: getattr(self, k) for k in self.__slots__ if k != "timeline"}
+        if timeline:
+            out["timeline"] = {k: [None if isinstance(v, float) and math.isnan(v) else v for v in vs]
+                               for k, vs in self.timeline.items()}
+        return out
+
+
+def simulate(trace: list[TraceRequest], allocator: Allocator, *, step_s: float = 0.02,
+             max_num_seqs: int = 256) -> AllocatorResult:
+    """Replay `trace` through `allocator` (see the module docstring for the time model)."""
+    if not step_s > 0 or max_num_seqs < 1:
+        raise ValueError(f"need step_s > 0 and max_num_seqs >= 1, got step_s={step_s}, max_num_seqs={max_num_seqs}")
+    pool = allocator.pool_tokens
+    pending = deque(sorted(range(len(trace)), key=lambda i: trace[i].arrival_s))
+    waiting: deque[int] = deque()
+    running: list[int] = []  # admission order: newest last
+    held: dict[int, int] = {}
+    arrived_step: dict[int, int] = {}
+    started: set[int] = set()
+    waited = oom = preemptions = finished = 0
+    makespan = 0.0
+    steps = idle_steps = 0  # idle: skipped steps with nothing queued or running, counted as empty
+    util_sum = util_n = util_peak = 0.0
+    usage_sum = usage_peak = conc_sum = ext_sum = 0.0
+    conc_peak = 0
+    times: list[float] = []
+    utils: list[float] = []
+    usages: list[float] = []
+    step = 0
+    while pending or waiting or running:
+        if not waiting and not running:
+            # jump over an idle gap instead of stepping through it; it still counts as empty time
+            first = math.ceil(trace[pending[0]].arrival_s / step_s - 1e-9)
+            if first > step:
+                idle_steps += first - step
+                times.append(step * step_s)
+                utils.append(math.nan)
+                usages.append(0.0)
+                step = first
+        now = step * step_s
+        while pending and trace[pending[0]].arrival_s <= now + 1e-9:
+            rid = pending.popleft()
+            if allocator.fits_ever(trace[rid].prompt_tokens + trace[rid].output_tokens):
+                waiting.append(rid)
+                arrived_step[rid] = step
+            else:
+                oom += 1
+
+        preempted = False
+        i = 0
+        while i < len(running):
+            rid = running[i]
+            while not allocator.grow(rid, held[rid] + 1):
+                victim = running.pop()
+                allocator.release(victim)
+                del held[victim]
+                waiting.appendleft(victim)
+                preemptions += 1
+                preempted = True
+                if victim == rid:
+                    break
+            else:
+                held[rid] += 1
+                i += 1
+
+        while not preempted and waiting and len(running) < max_num_seqs:
+            r = trace[waiting[0]]
+            if not allocator.admit(waiting[0], r.prompt_tokens, r.prompt_tokens + r.output_tokens,
+                                   r.prefix_group, r.prefix_tokens):
+                break
+            rid = waiting.popleft()
+            running.append(rid)
+            held[rid] = r.prompt_tokens + 1
+            if rid not in started:
+                started.add(rid)
+                waited += arrived_step[rid] != step
+        if not running and waiting:
+            raise RuntimeError(f"request {waiting[0]} fits the empty pool but {allocator.name} refused it")
+
+        allocated, live = allocator.allocated_tokens(), allocator.live_tokens()
+        free = allocator.free_tokens()
+        util = live / allocated if allocated else math.nan
+        if allocated:
+            util_sum += util
+            util_n += 1
+            util_peak = max(util_peak, util)
+        usage_sum += allocated / pool
+        usage_peak = max(usage_peak, allocated / pool)
+        conc_sum += len(running)
+        conc_peak = max(conc_peak, len(running))
+        if free:
+            ext_sum += 1 - allocator.largest_free_run() / free
+        times.append(now)
+        utils.append(util)
+        usages.append(allocated / pool)
+        steps += 1
+
+        still = []
+        for rid in running:
+            r = trace[rid]
+            if held[rid] >= r.prompt_tokens + r.output_tokens:
+                allocator.release(rid)
+                del held[rid]
+                finished += 1
+                makespan = now + step_s
+            else:
+                still.append(rid)
+        running = still
+        step += 1
+
+    total = steps + idle_steps
+    stride = max(1, math.ceil(len(times) / MAX_TIMELINE_POINTS))
+    mean_util = util_sum / util_n if util_n else 0.0
+    return AllocatorResult(
+        name=allocator.name, pool_tokens=pool, peak_utilization=util_peak, mean_utilization=mean_util,
+        mean_pool_usage=usage_sum / total if total else 0.0, peak_pool_usage=usage_peak,
+        internal_fragmentation=1 - mean_util if util_n else 0.0,
+        external_fragmentation=ext_sum / total if total else 0.0,
+        peak_concurrency=conc_peak, mean_concurrency=conc_sum / total if total else 0.0,
+        waited=waited, oom=oom, preemptions=preemptions, finished=finished, makespan_s=makespan,
+        timeline={"time_s": times[::stride], "utilization": utils[::stride], "pool_usage": usages[::stride]})
+
+
+def compare(trace: list[TraceRequest], pool_tokens: int, *, block_sizes: tuple[int, ...] = (1, 16, 64, 256),
+            max_model_len: int = 4096, step_s: float = 0.02, max_num_seqs: int = 256,
+            prefix_sharing: bool = True) -> list[AllocatorResult]:
+    """Run reserve-max, contiguous, paged at each block size and (if `prefix_sharing`) paged-16+prefix
+    over a pool of `pool_tokens` token slots."""
+    allocators: list[Allocator] = [ReserveMax(pool_tokens, max_model_len), ContiguousExact(pool_tokens)]
+    allocators += [Paged(pool_tokens, bs) for bs in block_sizes]
+    if prefix_sharing:
+        allocators.append(PagedPrefixSharing(pool_tokens, 16))
+    return [simulate(trace, a, step_s=step_s, max_num_seqs=max_num_seqs) for a in allocators]
+
+
+def format_table(results: list[AllocatorResult], bytes_per_token: int) -> str:
+    """A plain aligned text table, one row per allocator; percentages of slots, makespan in seconds."""
+    head = ["allocator", "mean util %", "peak util %", "internal frag %", "external frag %", "peak conc",
+            "mean conc", "waited", "preempted", "oom", "makespan s"]
+    rows = [[r.name, f"{100 * r.mean_utilization:.1f}", f"{100 * r.peak_utilization:.1f}",
+             f"{100 * r.internal_fragmentation:.1f}", f"{100 * r.external_fragmentation:.1f}",
+             str(r.peak_concurrency), f"{r.mean_concurrency:.1f}", str(r.waited), str(r.preemptions),
+             str(r.oom), f"{r.makespan_s:.2f}"] for r in results]
+    widths = [max(len(row[c]) for row in [head] + rows) for c in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
+             for row in [head] + rows]
+    lines.insert(1, "-" * len(lines[0]))
+    if results:
+        # paged pools round down to whole blocks, so the largest pool is the one asked for
+        pool = max(r.pool_tokens for r in results)
+        lines.insert(0, f"KV pool: {pool:,} token slots x {bytes_per_token:,} bytes/token = "
+                        f"{pool * bytes_per_token / 2**30:.2f} GiB")
+    return "\n".join(lines)
+
+
+def plot(results: list[AllocatorResult], path: str) -> None:
+    """One PNG at `path`: utilization (top) and pool usage (bottom) over time, one line per allocator."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 7))
+    for r in results:
+        top.plot(r.timeline["time_s"], [100 * u for u in r.timeline["utilization"]], label=r.name, lw=1.2)
+        bottom.plot(r.timeline["time_s"], [100 * u for u in r.timeline["pool_usage"]], label=r.name, lw=1.2)
+    top.set_ylabel("utilization %\n(live tokens / allocated slots)")
+    bottom.set_ylabel("pool usage %\n(allocated / pool)")
+    bottom.set_xlabel("time (s)")
+    top.set_ylim(0, 105)
+    bottom.set_ylim(0, 105)
+    top.legend(loc="lower right", fontsize=8)
+    top.set_title("KV cache utilization by allocator")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+GIB = 2**30
+
+
+@dataclass(slots=True)
+class ScenarioPlacement:
+    """Where one request of the seed scenario landed. Byte offsets for contiguous allocators; paged ones
+    report blocks, which may sit anywhere in the pool."""
+
+    size_gb: float
+    placed: bool
+    range_bytes: tuple[int, int] | None = None  # [start, end) of its run, contiguous allocators only
+    blocks: int | None = None  # paged allocators only
+    freed: bool = False
+
+
+@dataclass(slots=True)
+class ScenarioOutcome:
+    """One allocator's run of the seed scenario; holes and free space are measured before the new request."""
+
+    allocator: str
+    placements: list[ScenarioPlacement]  # the initial requests in order, then the new one
+    holes_bytes: list[tuple[int, int]]  # free [start, end) runs, contiguous allocators only
+    free_bytes: int
+    largest_free_run_bytes: int
+    new_fits: bool
+    why: str
+
+
+@dataclass(slots=True)
+class SeedScenario:
+    """The allocate-free-allocate story behind paging, with one outcome per allocator and a readable account."""
+
+    pool_bytes: int
+    bytes_per_token: int
+    block_size: int
+    outcomes: list[ScenarioOutcome]
+    explanation: str
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / GIB:.1f} GB"
+
+
+def _span(r: tuple[int, int]) -> str:
+    return f"[{r[0] / GIB:.1f}, {r[1] / GIB:.1f}) GB"
+
+
+def _seed_why(a: Allocator, out: ScenarioOutcome, new_bytes: int, reserve_bytes: int) -> str:
+    new = out.placements[-1]
+    free, largest = out.free_bytes, out.largest_free_run_bytes
+    if isinstance(a, Paged):
+        if new.placed:
+            return (f"fits: its {new.blocks:,} blocks of {a.block_size} tokens need not be adjacent, "
+                    f"so all {_gb(free)} free is usable")
+        return f"refused: needs {_gb(new_bytes)} of blocks, only {_gb(free)} free in total"
+    need = reserve_bytes if isinstance(a, ReserveMax) else new_bytes
+    what = f"its {_gb(need)} reservation" if isinstance(a, ReserveMax) else "it"
+    if new.placed:
+        why = f"fits at {_span(new.range_bytes)}"
+        small = [h for h in out.holes_bytes if h[1] - h[0] < need and h[0] < new.range_bytes[0]]
+        if small:
+            why += (f"; the {', '.join(_gb(e - s) for s, e in small)} hole{'s' if len(small) > 1 else ''} before "
+                    f"it {'are' if len(small) > 1 else 'is'} too small for {what} and stay{'' if len(small) > 1 else 's'}"
+                    f" unused (external fragmentation)")
+        if isinstance(a, ReserveMax):
+            why += (f"; every request reserves {_gb(need)} whatever its size, "
+                    f"so {_gb(need - new_bytes)} of this one holds no token")
+        return why
+    if free >= need:
+        return (f"refused: {_gb(free)} free in total is enough, but the largest hole is {_gb(largest)} "
+                f"and {what} must be one contiguous run (external fragmentation)")
+    why = f"refused: needs {_gb(need)}, only {_gb(free)} free in total"
+    return why + (" (every request reserves that much whatever its size)" if isinstance(a, ReserveMax) else "")
+
+
+def seed_scenario(pool_gb: float = 80.0, sizes_gb: tuple[float, ...] = (3.0, 2.3, 4.5), free_index: int = 1,
+                  new_gb: float = 7.5, *, bytes_per_token: int = 131_072, block_size: int = 16,
+                  reserve_gb: float = 8.0) -> SeedScenario:
+    """Allocate `sizes_gb` in order, free request `free_index`, then try a `new_gb` request, on a contiguous
+    first-fit allocator, a paged one and reserve-max (each request reserves `reserve_gb`, i.e.
+    max_model_len x bytes_per_token). GB here are GiB (2**30 bytes): at Llama-3-8B's 131,072 bytes/token
+    (bf16) 1 GB is 8,192 tokens, whole blocks of 16, so the numbers add up exactly."""
+    if not 0 <= free_index < len(sizes_gb):
+        raise ValueError(f"free_index {free_index} is not one of the {len(sizes_gb)} requests")
+    pool = int(pool_gb * GIB) // bytes_per_token
+
+    def tokens(gb: float) -> int:
+        return max(1, math.ceil(gb * GIB / bytes_per_token - 1e-6))
+
+    allocators: list[Allocator] = [ContiguousExact(pool), Paged(pool, block_size),
+                                   ReserveMax(pool, tokens(reserve_gb))]
+    outcomes = []
+    lines = [f"Pool {pool_gb:g} GB = {pool:,} tokens x {bytes_per_token:,} bytes/token. Allocate "
+             f"{', '.join(f'{g:g}' for g in sizes_gb)} GB, free the {sizes_gb[free_index]:g} GB one, "
+             f"then ask for {new_gb:g} GB."]
+    for a in allocators:
+        placements = []
+        for i, gb in enumerate([*sizes_gb, new_gb]):
+            if i == len(sizes_gb):  # the state the new request meets
+                if placements[free_index].placed:
+                    a.release(free_index)
+                    placements[free_index].freed = True
+                holes = [(s * bytes_per_token, e * bytes_per_token) for s, e in a.holes()] \
+                    if isinstance(a, ContiguousExact) else []
+                free, largest = a.free_tokens() * bytes_per_token, a.largest_free_run() * bytes_per_token
+            t = tokens(gb)
+            p = ScenarioPlacement(gb, a.admit(i, t - 1, t))
+            if p.placed and isinstance(a, ContiguousExact):
+                s, e = a.span(i)
+                p.range_bytes = (s * bytes_per_token, e * bytes_per_token)
+            elif p.placed:
+                p.blocks = -(-t // block_size)
+            placements.append(p)
+        out = ScenarioOutcome(a.name, placements, holes, free, largest, placements[-1].placed, "")
+        out.why = _seed_why(a, out, tokens(new_gb) * bytes_per_token, tokens(reserve_gb) * bytes_per_token)
+        outcomes.append(out)
+        lines.append(f"{a.name}:")
+        for p in placements:
+            where = (_span(p.range_bytes) if p.range_bytes else
+                     f"{p.blocks:,} blocks" if p.blocks else "refused")
+            lines.append(f"  {p.size_gb:g} GB -> {where}{' (freed)' if p.freed else ''}")
+        if holes:
+            lines.append("  holes: " + ", ".join(_span(h) for h in holes))
+        lines.append(f"  free {_gb(free)}, largest free run {_gb(largest)}")
+        lines.append(f"  {new_gb:g} GB request: {out.why}")
+    return SeedScenario(pool * bytes_per_token, bytes_per_token, block_size, outcomes, "\n".join(lines))
