@@ -168,6 +168,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from kvcache.config import parse_bytes
     from kvcache.plan.capacity import plan_device, weight_dtype
+    from kvcache.plan.kv_bytes import heads_per_gpu
     from kvcache.plan.model_source import demo_model_path, load_model_shape
     from kvcache.plan.presets import GPU_PRESETS, MODEL_PRESETS
     from kvcache.plan.report import build_report, format_report, human
@@ -192,6 +193,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kv = weight_dtype("auto", shape) if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     seq_len = args.seq_len or shape.max_position_embeddings or 4096
     tp = args.tensor_parallel_size or args.num_gpus
+    heads_per_gpu(shape.num_kv_heads, tp)  # a tensor-parallel size that cannot split the KV heads is refused
     device = None
     memory = GPU_PRESETS[args.gpu] if args.gpu else (parse_bytes(args.memory) if args.memory else None)
     if memory is not None or args.kv_cache_memory is not None:
@@ -202,9 +204,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
             weights=args.dtype, activation_bytes=parse_bytes(args.activation_reserve, allow_zero=True) if args.activation_reserve else None,
             block_size=args.block_size, seq_len=seq_len, batch=args.batch, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens)
-    report = build_report(shape, kv, args.batch, seq_len, device, tp)
+    report = build_report(shape, kv, args.batch, seq_len, device)
     _emit(report, format_report(report), args.json)
     return 0
+
+
+def _make_parent(path: str) -> None:
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 def _emit(data: dict, text: str, json_path: str | None) -> None:
@@ -216,6 +224,7 @@ def _emit(data: dict, text: str, json_path: str | None) -> None:
         return
     print(text)
     if json_path:
+        _make_parent(json_path)
         with open(json_path, "w") as f:
             json.dump(data, f, indent=2)
         print(f"wrote {json_path}")
@@ -293,6 +302,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     results = compare(trace, pool_tokens, block_sizes=block_sizes, max_model_len=args.max_model_len,
                       step_s=args.step_ms / 1000, max_num_seqs=args.max_num_seqs, prefix_sharing=sharing)
     if args.plot:
+        _make_parent(args.plot)
         plot(results, args.plot)
     n_prompt = sum(r.prompt_tokens for r in trace)
     n_out = sum(r.output_tokens for r in trace)
@@ -352,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input or an unreadable/unwritable path: one line, no traceback
         print(f"kvcache: error: {e}", file=sys.stderr)
         return 2
 

@@ -72,6 +72,7 @@ class DevicePlan:
     kv_cache_bytes: int  # total over all GPUs
     batch: int
     max_num_seqs: int
+    stage: ModelShape  # the layers of the fullest pipeline stage, whose bytes set the block size
     max_seq_len_for_batch: int  # longest context each of `batch` concurrent requests can have
 
 
@@ -112,4 +113,4 @@ def plan_device(shape: ModelShape, kv_dtype: str, *, memory_per_gpu: int | None 
     cap = cache_capacity(stage, kv_dtype, budget, block_size, seq_len, tp)
     longest = max(0, cap.num_blocks // batch - cap.seq_blocks) * block_size
     return DevicePlan(memory_per_gpu, num_gpus, tp, pp, gpu_memory_utilization, wdtype, weight_bytes, act, budget,
-                      cap, cap.total_bytes * num_gpus, batch, max_num_seqs, longest)
+                      cap, cap.total_bytes * num_gpus, batch, max_num_seqs, stage, longest)

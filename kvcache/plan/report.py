@@ -16,11 +16,15 @@ def human(n: float) -> str:
 
 
 def build_report(shape: ModelShape, dtype: str, batch: int, seq_len: int, device: DevicePlan | None = None,
-                 tensor_parallel_size: int = 1, state_dtype: str = "bfloat16") -> dict:
-    """Everything `kvcache plan` prints, as JSON-ready values (bytes are ints)."""
-    tp = tensor_parallel_size
-    cache = kv_cache_bytes(shape, dtype, batch, seq_len, tp, state_dtype)
-    groups = layer_groups(shape, dtype, tp)
+                 state_dtype: str = "bfloat16") -> dict:
+    """Everything `kvcache plan` prints, as JSON-ready values (bytes are ints).
+
+    Bytes per token and the B x L cache are for the whole model; the capacity part (with a
+    `device`) is per GPU under its tensor and pipeline parallelism.
+    """
+    tp = device.tensor_parallel_size if device else 1
+    cache = kv_cache_bytes(shape, dtype, batch, seq_len, state_dtype=state_dtype)
+    groups = layer_groups(shape, dtype)
     report = {
         "model": shape.name, "attention": shape.attention_kind, "num_layers": shape.num_layers,
         "layers": {k: shape.count(k) for k in dict.fromkeys(shape.layer_kinds)},
@@ -31,9 +35,9 @@ def build_report(shape: ModelShape, dtype: str, batch: int, seq_len: int, device
         "num_parameters": shape.num_parameters, "notes": list(shape.notes),
         "kv_cache_dtype": kv_dtype(dtype).name, "kv_cache_dtype_layout": kv_dtype(dtype).describe(),
         "bytes_per_token_per_layer": {g.kind: g.bytes_per_token for g in groups},
-        "bytes_per_token": kv_bytes_per_token(shape, dtype, tp), "formula": kv_formula(shape, dtype, tp),
-        "residual_bytes_per_seq": residual_bytes_per_seq(shape, dtype, tp),
-        "state_bytes_per_seq": state_bytes_per_seq(shape, state_dtype, tp),
+        "bytes_per_token": kv_bytes_per_token(shape, dtype), "formula": kv_formula(shape, dtype),
+        "residual_bytes_per_seq": residual_bytes_per_seq(shape, dtype),
+        "state_bytes_per_seq": state_bytes_per_seq(shape, state_dtype),
         "batch": batch, "seq_len": seq_len, "total_bytes": cache.total_bytes, "attention_bytes": cache.attention_bytes,
         "residual_bytes": cache.residual_bytes, "state_bytes": cache.state_bytes, "paged_bytes": cache.paged_bytes,
         "total_formula": " + ".join(
@@ -51,7 +55,7 @@ def build_report(shape: ModelShape, dtype: str, batch: int, seq_len: int, device
             "block_bytes": c.block_size * c.bytes_per_token, "gpu_bytes_per_token": c.bytes_per_token,
             "num_blocks": c.num_blocks, "max_tokens": c.num_tokens, "max_concurrency": c.max_concurrency,
             "max_seq_len_for_batch": device.max_seq_len_for_batch, "seq_blocks": c.seq_blocks,
-            "max_num_seqs": device.max_num_seqs,
+            "max_num_seqs": device.max_num_seqs, "gpu_formula": kv_formula(device.stage, dtype, tp),
         })
     return report
 
@@ -99,6 +103,8 @@ def _capacity_lines(r: dict) -> list[tuple[str, str]]:
             ("", f"- {r['weight_bytes']:,} weights ({r['num_parameters']:,} params x {r['weight_dtype']} / {r['num_gpus']})"),
             ("", f"- {r['activation_bytes']:,} activation and runtime reserve (estimate; --activation-reserve sets it)"),
         ]
+    if r["tensor_parallel_size"] > 1 or r["pipeline_parallel_size"] > 1:
+        lines.append(("gpu token", f"{r['gpu_formula']} on each GPU"))
     lines += [
         ("kv budget", f"{r['kv_budget']:,} bytes per GPU ({human(r['kv_budget'])}); {r['kv_cache_bytes']:,} bytes in "
                       f"blocks on all GPUs ({human(r['kv_cache_bytes'])})"),
