@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import fields
 
@@ -210,8 +211,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _make_parent(path: str) -> None:
-    import os
-
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
@@ -362,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # output piped into `head`: stop quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, OSError) as e:  # bad input or an unreadable/unwritable path: one line, no traceback
         print(f"kvcache: error: {e}", file=sys.stderr)
         return 2
