@@ -21,6 +21,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "at most half of available memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV of equal prompt prefixes between requests (default: on)")
+    p.add_argument("--prefix-caching-algo", default="hash", choices=["hash", "radix"],
+                   help="hash: vLLM's hash-chained blocks; radix: SGLang's radix tree")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
+                   help="fcfs, or lpm: longest cached prefix first (FCFS above 128 waiting)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)

@@ -49,6 +49,9 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # KV cache bytes ('2GiB', or '25%' of available RAM); None = default
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV cache
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # share computed full blocks between requests with equal prefixes
+    prefix_caching_algo: str = "hash"  # hash: vLLM's hash-chained blocks; radix: SGLang's radix tree
+    scheduling_policy: str = "fcfs"  # fcfs, or lpm: longest cached prefix first
     dtype: str = "auto"  # compute dtype: auto = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     seed: int = 0
@@ -68,6 +71,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.prefix_caching_algo not in ("hash", "radix"):
+            raise ValueError(f"prefix_caching_algo must be hash or radix; got {self.prefix_caching_algo!r}")
+        if self.scheduling_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"scheduling_policy must be fcfs or lpm; got {self.scheduling_policy!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
 

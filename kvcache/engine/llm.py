@@ -39,11 +39,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs in prompt order."""
+        """Generate for each prompt (text, token ids, or a dict with "prompt" or "prompt_token_ids" and
+        optionally "cache_salt"); outputs in prompt order."""
         if isinstance(prompts, str) or isinstance(prompts, dict) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([self._as_prompt(p) for p in prompts], sampling_params, use_tqdm, True)
+        return self._run([self._as_prompt(p) for p in prompts], sampling_params, use_tqdm, True,
+                         [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts])
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
@@ -73,8 +75,12 @@ class LLM:
             return p
         raise TypeError(f"a prompt must be a str, a list of token ids or a dict, got {type(p).__name__}")
 
-    def _run(self, prompts: list[str | list[int]], params, use_tqdm: bool, add_special_tokens: bool
-             ) -> list[RequestOutput]:
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many. Raises RuntimeError while requests run."""
+        return self.engine.reset_prefix_cache()
+
+    def _run(self, prompts: list[str | list[int]], params, use_tqdm: bool, add_special_tokens: bool,
+             salts: list[str | None] | None = None) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
@@ -84,9 +90,9 @@ class LLM:
         engine = self.engine
         ids = []
         try:
-            for p, sp in zip(prompts, params):
+            for p, sp, salt in zip(prompts, params, salts or [None] * len(prompts)):
                 rid = str(next(self._ids))
-                engine.add_request(rid, p, sp, add_special_tokens=add_special_tokens)
+                engine.add_request(rid, p, sp, add_special_tokens=add_special_tokens, cache_salt=salt)
                 ids.append(rid)
         except Exception:
             for rid in ids:  # a bad prompt leaves no half-submitted batch behind

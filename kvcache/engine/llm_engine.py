@@ -22,6 +22,7 @@ from kvcache.plan.shape import shape_from_config
 from kvcache.store.kv_store import KVStore
 
 log = logging.getLogger("kvcache")
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass
@@ -66,6 +67,7 @@ class _Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     stream: bool
+    cache_salt: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -121,7 +123,8 @@ class LLMEngine:
         self.capacity: CacheCapacity = cache_capacity(self.shape, self.kv_dtype, budget, config.block_size,
                                                       self.max_model_len)
         # One more physical block than the budget buys: block 0, the null block that pads tables.
-        self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size)
+        self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size,
+                                 config.prefix_caching_algo if config.enable_prefix_caching else None)
         self.store = KVStore(self.shape.num_layers, self.capacity.num_blocks + 1, config.block_size,
                              self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(config, self.kv)
@@ -155,11 +158,19 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    stream: bool = False, add_special_tokens: bool = True) -> None:
-        """Validate and queue a request. Raises ValueError (and changes nothing) if it can never run."""
+                    stream: bool = False, add_special_tokens: bool = True, cache_salt: str | None = None) -> None:
+        """Validate and queue a request. Raises ValueError (and changes nothing) if it can never run.
+
+        `cache_salt`: prefixes are shared only between requests with the same salt (None is a salt
+        of its own), so one tenant cannot learn another's prompts from cache timing.
+        """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
+                                       or len(cache_salt) > MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters; "
+                             f"got {type(cache_salt).__name__} of length {len(cache_salt) if isinstance(cache_salt, str) else '-'}")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
@@ -182,7 +193,7 @@ class LLMEngine:
         if need > self.kv.pool.num_usable:
             raise ValueError(f"request needs {need:,} KV blocks ({n_prompt + max_tokens:,} tokens) but the whole "
                              f"pool has {self.kv.pool.num_usable:,}; raise --kv-cache-memory or lower max_tokens")
-        req = _Request(request_id, text, ids, params, [], RequestMetrics(time.monotonic()), stream)
+        req = _Request(request_id, text, ids, params, [], RequestMetrics(time.monotonic()), stream, cache_salt)
         req.seqs.append(self._new_seq(req, 0, max_tokens))
         self.requests[request_id] = req
         self.stats.prompt_tokens += n_prompt
@@ -193,7 +204,8 @@ class LLMEngine:
         if req.params.seed is not None:
             gen = torch.Generator(self.device).manual_seed(req.params.seed + index)
         return Sequence(next(self._seq_ids), req.request_id, index, list(req.prompt_token_ids),
-                        len(req.prompt_token_ids), req.params, max_tokens, gen)
+                        len(req.prompt_token_ids), req.params, max_tokens, gen,
+                        extra_key=(req.cache_salt,) if req.cache_salt is not None else ())
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if it is unknown or already done."""
@@ -232,8 +244,9 @@ class LLMEngine:
         sampled, logits = self.runner.execute(sched.chunks, copies)
         for seq, n in sched.chunks:
             seq.num_computed_tokens += n
+            self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.extra_key)
         self.stats.steps += 1
-        used = self.kv.pool.num_usable - self.kv.pool.num_free
+        used = self.kv.pool.num_usable - self.kv.num_free_blocks
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
         touched = self._sample_and_append(sampled, logits)
         return self._collect_outputs(touched)
@@ -338,20 +351,44 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------------------
 
     def kv_cache_info(self) -> dict:
-        """KV cache figures (bytes, blocks, tokens) as sized at start-up, plus current usage."""
-        c, pool = self.capacity, self.kv.pool
+        """KV cache figures (bytes, blocks, tokens) as sized at start-up, plus current usage and prefix caching.
+
+        Cached blocks that no request holds count as free: an allocation takes them (evicting them).
+        """
+        c, kv = self.capacity, self.kv
+        free = kv.num_free_blocks
         return {
             "block_size": c.block_size, "num_blocks": c.num_blocks, "num_tokens": c.num_tokens,
             "bytes_per_token": c.bytes_per_token, "total_bytes": c.total_bytes, "dtype": self.kv_dtype,
             "max_model_len": c.max_model_len, "max_concurrency": c.max_concurrency,
             "formula": kv_formula(self.shape, self.kv_dtype),
-            "free_blocks": pool.num_free, "used_blocks": pool.num_usable - pool.num_free,
-            "usage": 1 - pool.num_free / pool.num_usable, "peak_used_blocks": self.stats.peak_used_blocks,
+            "free_blocks": free, "used_blocks": kv.pool.num_usable - free,
+            "usage": 1 - free / kv.pool.num_usable, "peak_used_blocks": self.stats.peak_used_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_caching": kv.prefix_caching, "prefix_cache_queries": kv.stats.queries,
+            "prefix_cache_hits": kv.stats.hits, "prefix_cache_hit_rate": kv.stats.hit_rate,
+            "cached_blocks": kv.num_cached_blocks, "prefix_cache_evictions": kv.num_evictions,
         }
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many. Refused (RuntimeError) while requests run,
+        as their blocks are in use (vLLM refuses too)."""
+        if self.requests:
+            raise RuntimeError(f"cannot reset the prefix cache while {len(self.requests)} requests are unfinished; "
+                               "wait for them or abort them first")
+        return self.kv.reset_prefix_cache()
+
     def check_no_leaks(self) -> None:
-        """Raise if any block is held while no request is unfinished (used by tests and benchmarks)."""
-        pool = self.kv.pool
-        if not self.requests and (pool.num_free != pool.num_usable or self.kv.block_tables):
-            raise AssertionError(f"{pool.num_usable - pool.num_free} blocks still held with no request running")
+        """Raise if any block is held while no request is unfinished (used by tests and benchmarks).
+
+        With no request left, every block is free or cached: idle in the free list (hash) or held
+        once by the radix tree, with nothing locked.
+        """
+        if self.requests:
+            return
+        kv, pool = self.kv, self.kv.pool
+        tree = kv.radix.num_blocks if kv.radix else 0
+        held = sum(pool.ref_counts)
+        if kv.block_tables or held != tree or kv.num_free_blocks != pool.num_usable:
+            raise AssertionError(f"{held - tree} block references still held with no request running "
+                                 f"({len(kv.block_tables)} block tables, {tree} blocks in the radix tree)")

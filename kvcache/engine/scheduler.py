@@ -1,9 +1,13 @@
 """Continuous batching: which sequences run this step, with how many tokens each.
 
 Every step: running sequences first (decodes, then unfinished prefill chunks), then
-waiting ones FCFS, all within `max_num_batched_tokens` and `max_num_seqs`. When the
+waiting ones, all within `max_num_batched_tokens` and `max_num_seqs`. A waiting sequence
+starts after the longest prefix the cache already holds. Waiting ones go first come, first
+served (`fcfs`), or longest cached prefix first (`lpm`, SGLang's policy; FCFS above
+LPM_MAX_QUEUE waiting), which also holds back a prompt whose next block another prompt
+admitted in the same step is computing, so that it can share it one step later. When the
 pool runs dry the most recently admitted sequence is preempted: its blocks are freed
-and it waits to be recomputed. No tensors here.
+(cached ones stay findable) and it waits to be recomputed. No tensors here.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from kvcache.memory.kv_cache_manager import KVCacheManager
 # Blocks kept free when admitting new work, so that running sequences can grow for a
 # while without preempting what was just admitted (vLLM's watermark is 1%).
 WATERMARK_FRACTION = 0.01
+# Above this many waiting requests `lpm` falls back to FCFS: matching every prompt each step costs too much.
+LPM_MAX_QUEUE = 128
 
 
 @dataclass(slots=True)
@@ -101,24 +107,49 @@ class Scheduler:
         out.chunks = [(by_id[i], n) for i, n in scheduled.items()]
         return out
 
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """Cached blocks `seq` can start from; the first lookup of a request counts in the hit rate."""
+        record = not seq.prefix_counted and seq.index == 0
+        seq.prefix_counted = True
+        return self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key, record=record)
+
     def _admit(self, scheduled: dict[int, int], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+        lpm = (self.config.scheduling_policy == "lpm" and self.kv.prefix_caching is not None
+               and len(self.waiting) <= LPM_MAX_QUEUE)
+        if lpm:
+            hits = {s.seq_id: len(self.kv.find_prefix(s.seq_id, s.token_ids, s.extra_key)) for s in self.waiting}
+            self.waiting = deque(sorted(self.waiting, key=lambda s: -hits[s.seq_id]))
+        computing: set[int] = set()  # lpm: hashes of the first uncached block of each prompt admitted now
+        i = 0
+        bs = self.kv.block_size
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
+            prefix = self._lookup(seq)
+            cached = len(prefix) * bs
+            remaining = seq.num_tokens - cached
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
+            first_new = None
+            if lpm and len(prefix) < seq.num_tokens // bs:
+                first_new = self.kv.block_hashes(seq.seq_id, seq.token_ids, seq.extra_key)[len(prefix)]
+                if first_new in computing:
+                    i += 1  # share it next step instead of computing it twice now
+                    continue
             # Gate: keep a reserve for running sequences to grow into, so admitting this
             # one does not force a preemption a few steps later.
-            need = self.kv.blocks_needed(seq.seq_id, seq.num_computed_tokens + n)
+            need = self.kv.blocks_needed(seq.seq_id, cached + n, prefix)
             reserve = self.watermark + len(self.running)  # one fresh block each
             if self.running and need + reserve > self.kv.num_free_blocks:
                 break
-            if not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
+            if not self.kv.allocate(seq.seq_id, cached + n, prefix):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled[seq.seq_id] = n
             budget -= n
+            if first_new is not None:
+                computing.add(first_new)
         return budget

@@ -36,6 +36,8 @@ class Sequence:
     num_preemptions: int = 0
     text: str = ""  # detokenized output, kept current only when stop strings need it
     forked: bool = False
+    extra_key: tuple = ()  # prefix-cache extra keys: (cache_salt,) when the request has one
+    prefix_counted: bool = False  # its prefix lookup has been counted in the hit rate
 
     @property
     def num_tokens(self) -> int:

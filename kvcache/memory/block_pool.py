@@ -1,7 +1,14 @@
-"""Fixed pool of KV blocks: O(1) allocate and free, reference counts, a null block."""
+"""Fixed pool of KV blocks: O(1) allocate and free, reference counts, a null block, and
+cached blocks that stay findable by hash after their last holder frees them.
+
+The free list is kept in LRU order (vLLM v1's design): a freed block goes to the back; an
+allocation takes from the front. A freed block that holds a cached prefix keeps its key,
+so a later request can take it back (a prefix-cache hit); it loses its identity only when
+the pool hands it out again (an eviction).
+"""
 from __future__ import annotations
 
-from collections import deque
+from kvcache.memory.block_hash import BlockKey
 
 
 class OutOfBlocksError(RuntimeError):
@@ -12,7 +19,8 @@ class BlockPool:
     """Hands out block ids in [1, num_blocks); block 0 is the null block used to pad block tables.
 
     A block is free when its reference count is 0. Sharing a block (n > 1 samples of one
-    prompt) raises its count; it returns to the free list only when the last holder frees it.
+    prompt, a prefix-cache hit) raises its count; it returns to the free list only when the
+    last holder frees it.
     """
 
     NULL_BLOCK = 0
@@ -22,7 +30,11 @@ class BlockPool:
             raise ValueError(f"a block pool needs at least 2 blocks (1 null + 1 usable), got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self._free: dict[int, None] = dict.fromkeys(range(1, num_blocks))  # insertion order = LRU order
+        self.keys: list[BlockKey | None] = [None] * num_blocks  # what a cached block holds
+        self.generation = [0] * num_blocks  # bumped each time a block is handed out anew
+        self._cached: dict[int, int] = {}  # chain hash -> block
+        self.num_evictions = 0  # cached blocks that lost their identity to a new allocation
 
     @property
     def num_free(self) -> int:
@@ -32,25 +44,47 @@ class BlockPool:
     def num_usable(self) -> int:
         return self.num_blocks - 1
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable by hash, held or idle."""
+        return len(self._cached)
+
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks, each with reference count 1; all or nothing."""
+        """Take `n` free blocks, least recently freed first, each with reference count 1; all or nothing."""
         if n > len(self._free):
             raise OutOfBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b = next(iter(self._free))
+            del self._free[b]
+            if self.keys[b] is not None:
+                del self._cached[self.keys[b].hash]
+                self.keys[b] = None
+                self.num_evictions += 1
+            self.generation[b] += 1
             self.ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
     def share(self, blocks: list[int]) -> None:
-        """Add one holder to each of `blocks`."""
+        """Add one holder to each of `blocks`, which must be held already."""
         # Check all before changing any, so a bad list leaves the pool as it was.
         if any(self.ref_counts[b] <= 0 for b in blocks):
             raise ValueError(f"cannot share free blocks {[b for b in blocks if self.ref_counts[b] <= 0]}")
         for b in blocks:
             self.ref_counts[b] += 1
 
+    def touch(self, blocks: list[int]) -> None:
+        """Add one holder to each of the cached `blocks`, taking idle ones back from the free list."""
+        if any(self.keys[b] is None for b in blocks):
+            raise ValueError(f"blocks {[b for b in blocks if self.keys[b] is None]} are not cached")
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+            self.ref_counts[b] += 1
+
     def free(self, blocks: list[int]) -> None:
-        """Drop one holder from each of `blocks`; blocks nobody holds go back to the free list."""
+        """Drop one holder from each of `blocks`; blocks nobody holds go to the back of the free list."""
         holders: dict[int, int] = {}
         for b in blocks:
             holders[b] = holders.get(b, 0) + 1
@@ -60,4 +94,26 @@ class BlockPool:
         for b in blocks:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    def cache(self, block: int, key: BlockKey) -> bool:
+        """Make a held, full `block` findable under `key`. False if another block already holds that key."""
+        if self.ref_counts[block] <= 0 or self.keys[block] is not None:
+            raise ValueError(f"block {block} must be held and not cached yet to be cached")
+        if key.hash in self._cached:
+            return False
+        self.keys[block] = key
+        self._cached[key.hash] = block
+        return True
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The block cached under `block_hash`, if any (the caller verifies its key)."""
+        return self._cached.get(block_hash)
+
+    def clear_cache(self) -> int:
+        """Forget every cached key (blocks stay where they are); returns how many were dropped."""
+        n = len(self._cached)
+        for b in self._cached.values():
+            self.keys[b] = None
+        self._cached.clear()
+        return n

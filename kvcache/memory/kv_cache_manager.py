@@ -1,7 +1,22 @@
-"""Per-sequence block tables on top of the block pool."""
+"""Per-sequence block tables on top of the block pool, with prefix caching (hash chain or radix tree).
+
+A sequence's table lists its blocks in token order. With prefix caching, full blocks that
+have been computed are registered in a prefix index; a new sequence whose prompt starts with
+cached blocks takes them by reference and starts computing after them. Only full blocks are
+shared and a shared block is never written: new tokens go to blocks the sequence owns alone
+(a fork copies a partly filled block first). The last prompt token is always recomputed, so
+there are logits to sample from.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
+from kvcache.memory.block_hash import BlockKey, chain_hashes
 from kvcache.memory.block_pool import BlockPool, OutOfBlocksError
+from kvcache.memory.radix_cache import RadixCache, RadixNode
+
+PrefixCaching = Literal["hash", "radix"]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -9,32 +24,169 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class KVCacheManager:
-    """Owns every sequence's block table: grows it as tokens arrive, shares it on fork, frees it on finish."""
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """vLLM's counting: tokens looked up and tokens found, over requests' first admissions."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(slots=True)
+class _SeqCache:
+    """What the manager remembers of one sequence for prefix caching."""
+
+    extra: tuple
+    hashes: list[int]  # chain hashes of its full blocks, computed so far
+    num_cached: int = 0  # leading blocks of its table registered in the index (or taken from it)
+    node: RadixNode | None = None  # radix: the deepest node it locks
+
+
+class KVCacheManager:
+    """Owns every sequence's block table: grows it as tokens arrive, shares it on fork and on
+    prefix-cache hits, frees it on finish."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: PrefixCaching | None = None) -> None:
+        if prefix_caching not in (None, "hash", "radix"):
+            raise ValueError(f"prefix_caching must be None, 'hash' or 'radix', got {prefix_caching!r}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
+        self.prefix_caching = prefix_caching
+        self.radix = RadixCache(self.pool, block_size) if prefix_caching == "radix" else None
+        self.stats = PrefixCacheStats()
+        self._seqs: dict[int, _SeqCache] = {}
+
+    # ---- capacity -----------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        """Blocks an allocation can get: free ones, plus cached ones nobody runs on (radix evicts them)."""
+        return self.pool.num_free + (self.radix.evictable_blocks if self.radix else 0)
 
-    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
-        """Extra blocks sequence `seq_id` needs so that its table covers `num_tokens` tokens."""
-        have = len(self.block_tables.get(seq_id, ()))
-        return max(0, blocks_for(num_tokens, self.block_size) - have)
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.radix.num_blocks if self.radix else self.pool.num_cached
 
-    def allocate(self, seq_id: int, num_tokens: int) -> bool:
-        """Grow the table of `seq_id` to cover `num_tokens` tokens; False (and no change) if blocks are short."""
-        need = self.blocks_needed(seq_id, num_tokens)
-        if need > self.pool.num_free:
+    @property
+    def num_evictions(self) -> int:
+        return self.radix.num_evictions if self.radix else self.pool.num_evictions
+
+    def blocks_needed(self, seq_id: int, num_tokens: int, prefix: list[int] = ()) -> int:
+        """Blocks that leave the available set if `seq_id` grows to `num_tokens` tokens, starting from
+        the cached `prefix` blocks when it has no table yet (idle cached blocks count: they stop being free)."""
+        have = len(self.block_tables.get(seq_id, ())) or len(prefix)
+        new = max(0, blocks_for(num_tokens, self.block_size) - have)
+        if seq_id in self.block_tables or not prefix:
+            return new
+        if self.radix:
+            return new + self.radix.locked_blocks_on_path(self._seqs[seq_id].node)
+        return new + sum(1 for b in prefix if self.pool.ref_counts[b] == 0)
+
+    # ---- prefix lookup ---------------------------------------------------------------------------
+
+    def _entry(self, seq_id: int, extra: tuple) -> _SeqCache:
+        if seq_id not in self._seqs:
+            self._seqs[seq_id] = _SeqCache(extra, [])
+        return self._seqs[seq_id]
+
+    def block_hashes(self, seq_id: int, token_ids: list[int], extra: tuple = ()) -> list[int]:
+        """Chain hashes of the full blocks of `token_ids` (memoized per sequence)."""
+        entry = self._entry(seq_id, extra)
+        if len(entry.hashes) < len(token_ids) // self.block_size:
+            entry.hashes = chain_hashes(token_ids, self.block_size, entry.extra, entry.hashes)
+        return entry.hashes
+
+    def find_prefix(self, seq_id: int, token_ids: list[int], extra: tuple = (), record: bool = False) -> list[int]:
+        """Cached blocks holding the longest block-aligned prefix of `token_ids`, short of its last token
+        (which is recomputed so that there are logits to sample from).
+
+        Takes no reference: pass the result to `allocate` in the same step. `record` counts the
+        lookup in the hit-rate statistics (the caller does so once per request, as vLLM does).
+        """
+        if self.prefix_caching is None or seq_id in self.block_tables:
+            return []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        bs = self.block_size
+        if self.radix:
+            blocks, node = self.radix.match(token_ids[:max_blocks * bs], extra)
+            self._entry(seq_id, extra).node = node
+        else:
+            blocks, parent = [], None
+            for i, h in enumerate(self.block_hashes(seq_id, token_ids, extra)[:max_blocks]):
+                b = self.pool.lookup(h)
+                key = self.pool.keys[b] if b is not None else None
+                if key is None or key.parent != parent or key.extra != extra or \
+                        key.tokens != tuple(token_ids[i * bs:(i + 1) * bs]):
+                    break
+                blocks.append(b)
+                parent = (b, self.pool.generation[b])
+        if record:
+            self.stats.queries += len(token_ids)
+            self.stats.hits += len(blocks) * bs
+        return blocks
+
+    # ---- tables --------------------------------------------------------------------------------
+
+    def _take_free(self, n: int) -> list[int]:
+        if self.radix and n > self.pool.num_free:
+            self.radix.evict(n - self.pool.num_free)
+        return self.pool.allocate(n)
+
+    def allocate(self, seq_id: int, num_tokens: int, prefix: list[int] = ()) -> bool:
+        """Grow the table of `seq_id` to cover `num_tokens` tokens, starting a new table from the cached
+        `prefix` blocks; False (and no change) if blocks are short."""
+        if self.blocks_needed(seq_id, num_tokens, prefix) > self.num_free_blocks:
             return False
-        table = self.block_tables.setdefault(seq_id, [])
-        if need:
-            table.extend(self.pool.allocate(need))
+        table = self.block_tables.get(seq_id)
+        if table is None:
+            table = self.block_tables[seq_id] = list(prefix)
+            if prefix:
+                entry = self._seqs[seq_id]
+                entry.num_cached = len(prefix)
+                if self.radix:
+                    self.radix.lock(entry.node)
+                    self.pool.share(table)
+                else:
+                    self.pool.touch(table)
+        need = blocks_for(num_tokens, self.block_size) - len(table)
+        if need > 0:
+            table.extend(self._take_free(need))
         return True
+
+    def cache_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, extra: tuple = ()) -> None:
+        """Register the full blocks of `seq_id` whose K/V are now computed, so later requests can share them."""
+        if self.prefix_caching is None:
+            return
+        entry = self._entry(seq_id, extra)
+        table = self.block_tables[seq_id]
+        full = min(num_computed_tokens // self.block_size, len(table))
+        if full <= entry.num_cached:
+            return
+        bs = self.block_size
+        if self.radix:
+            node = self.radix.insert(token_ids[:full * bs], table[:full], entry.extra)
+            self.radix.lock(node)
+            if entry.node is not None and entry.num_cached:
+                self.radix.unlock(entry.node)
+            entry.node = node
+        else:
+            hashes = self.block_hashes(seq_id, token_ids, extra)
+            for i in range(entry.num_cached, full):
+                b = table[i]
+                if self.pool.keys[b] is not None:
+                    continue  # taken from the cache (or shared by a fork)
+                # The parent is the block cached for the previous hash, which may be a copy of ours.
+                prev = self.pool.lookup(hashes[i - 1]) if i else None
+                parent = (prev, self.pool.generation[prev]) if prev is not None else None
+                if i and parent is None:
+                    break  # the previous block could not be cached: nothing after it can be found
+                self.pool.cache(b, BlockKey(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), entry.extra, parent))
+        entry.num_cached = full
 
     def fork(self, parent_id: int, child_id: int, num_tokens: int) -> tuple[int, int] | None:
         """Give `child_id` the parent's first `num_tokens` tokens of KV.
@@ -51,23 +203,35 @@ class KVCacheManager:
             raise ValueError(f"cannot fork {num_tokens} tokens: sequence {parent_id} holds {len(parent)} blocks")
         n_full = num_tokens // self.block_size
         shared = parent[:n_full]
-        self.pool.share(shared)
-        table = list(shared)
         copy = None
+        dst = []
         if num_tokens % self.block_size:
-            try:
-                (dst,) = self.pool.allocate(1)
-            except OutOfBlocksError:
-                self.pool.free(shared)
-                raise
-            table.append(dst)
-            copy = (parent[n_full], dst)
-        self.block_tables[child_id] = table
+            if self.num_free_blocks < 1:
+                raise OutOfBlocksError("no free block for the copy of a partly filled block")
+        self.pool.share(shared)
+        if num_tokens % self.block_size:
+            dst = self._take_free(1)
+            copy = (parent[n_full], dst[0])
+        self.block_tables[child_id] = list(shared) + dst
+        if parent_id in self._seqs:
+            p = self._seqs[parent_id]
+            self._seqs[child_id] = _SeqCache(p.extra, list(p.hashes), min(p.num_cached, n_full), p.node)
+            if self.radix and p.node is not None and p.num_cached:
+                self.radix.lock(p.node)
         return copy
 
     def free(self, seq_id: int) -> None:
-        """Release every block of `seq_id` (no-op if it holds none)."""
+        """Release every block of `seq_id` (no-op if it holds none); cached blocks stay findable."""
         table = self.block_tables.pop(seq_id, None)
+        entry = self._seqs.pop(seq_id, None)
         if table:
-            # Free newest first so that the oldest blocks are reused last.
+            # Free newest first, so that a sequence's last blocks are evicted before its first ones.
             self.pool.free(table[::-1])
+        if self.radix and entry is not None and entry.node is not None and entry.num_cached and table is not None:
+            self.radix.unlock(entry.node)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no sequence holds; returns how many. Refuses while sequences hold blocks."""
+        if self.block_tables:
+            raise RuntimeError(f"cannot reset the prefix cache while {len(self.block_tables)} sequences hold blocks")
+        return self.radix.reset() if self.radix else self.pool.clear_cache()

@@ -40,9 +40,11 @@ def llm(tiny_llama, per_token) -> LLM:
 
 @pytest.fixture
 def engine(llm):
-    """The module's engine, checked empty before and after each test."""
+    """The module's engine, checked empty before and after each test, its prefix cache emptied
+    so that one test's prompts are not cached hits in the next."""
     eng = llm.engine
     assert_idle(eng)
+    eng.reset_prefix_cache()
     yield eng
     leftover = list(eng.requests)
     for rid in leftover:

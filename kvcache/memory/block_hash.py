@@ -1,0 +1,34 @@
+"""Hash-chained keys of full KV blocks (vLLM's prefix-caching scheme).
+
+Block i of a sequence is keyed by hash(key of block i-1, its token ids, extra keys), so equal
+keys mean equal prefixes. The extra keys hold the request's `cache_salt` (and have room for an
+adapter id): requests with different salts never share. A hash alone could collide, so a
+cached block also records its tokens and the exact block (id and generation) before it;
+a lookup accepts a block only if all of them match, and a collision cannot hand out
+another prompt's KV.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROOT_HASH = hash(("kvcache-prefix-root",))
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """What a cached block holds: its chain hash, tokens, extra keys and the block before it."""
+
+    hash: int
+    tokens: tuple[int, ...]
+    extra: tuple
+    parent: tuple[int, int] | None  # (block id, generation) of the previous block; None for the first
+
+
+def chain_hashes(token_ids: list[int], block_size: int, extra: tuple, start: list[int]) -> list[int]:
+    """Extend `start` (the hashes of the first blocks, already computed) over every full block of `token_ids`."""
+    hashes = list(start)
+    prev = hashes[-1] if hashes else ROOT_HASH
+    for i in range(len(hashes), len(token_ids) // block_size):
+        prev = hash((prev, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra))
+        hashes.append(prev)
+    return hashes
