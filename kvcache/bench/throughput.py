@@ -48,11 +48,22 @@ class PeakRSS:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", default="64:512", help="prompt length range A:B (tokens)")
-    p.add_argument("--output-len", default="32:256", help="output length range A:B (tokens)")
+    p.add_argument("--output-len", default=None, help="output length range A:B (tokens; default 32:256); "
+                   "shared-prefix / multi-turn take one length (default 64)")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--hf-batch-sizes", default="8,16,32", help="static batch sizes to try for transformers; "
                    "the best one is the baseline")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--workload", default="random", choices=["random", "shared-prefix", "multi-turn"],
+                   help="random: against transformers; shared-prefix / multi-turn: prefix caching off vs hash vs radix")
+    p.add_argument("--prefix-caching-modes", default="off,hash,radix", help="shared-prefix / multi-turn: modes to run")
+    p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: groups sharing a prefix")
+    p.add_argument("--requests-per-group", type=int, default=16, help="shared-prefix: requests per group")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared prefix (multi-turn: system prompt) tokens")
+    p.add_argument("--suffix-len", type=int, default=64, help="tokens of each request's own suffix (multi-turn: "
+                   "of each user message)")
+    p.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations")
+    p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
 
 
 def _result(work: Workload, elapsed: float, peak: int) -> dict:
@@ -118,6 +129,9 @@ def run_hf(model_path: str | None, work: Workload, batch_size: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workload != "random":
+        from kvcache.bench.prefix_sharing import run as run_prefix_sharing
+        return run_prefix_sharing(args)
     import torch
 
     from kvcache.bench.roofline import measure_gemm_gflops, workload_flops
@@ -126,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     gflops = measure_gemm_gflops()
     cfg = read_config(args.model)
     special = {t for t in (cfg.bos_token_id, cfg.eos_token_id, getattr(cfg, "pad_token_id", None)) if isinstance(t, int)}
+    args.output_len = args.output_len or "32:256"
     work = random_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
                            cfg.vocab_size, args.seed, special)
     results: dict = {

@@ -238,7 +238,7 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-            if n > 1 or seq.num_computed_tokens == 0:
+            if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:  # not a decode
                 self.stats.prefill_tokens_computed += n
         copies, self._pending_copies = self._pending_copies, []
         sampled, logits = self.runner.execute(sched.chunks, copies)

@@ -43,7 +43,8 @@ class _SeqCache:
     extra: tuple
     hashes: list[int]  # chain hashes of its full blocks, computed so far
     num_cached: int = 0  # leading blocks of its table registered in the index (or taken from it)
-    node: RadixNode | None = None  # radix: the deepest node it locks
+    node: RadixNode | None = None  # radix: the node its prefix ends at
+    locked: bool = False  # radix: it holds a lock on `node`
 
 
 class KVCacheManager:
@@ -150,6 +151,7 @@ class KVCacheManager:
                 entry.num_cached = len(prefix)
                 if self.radix:
                     self.radix.lock(entry.node)
+                    entry.locked = True
                     self.pool.share(table)
                 else:
                     self.pool.touch(table)
@@ -171,9 +173,9 @@ class KVCacheManager:
         if self.radix:
             node = self.radix.insert(token_ids[:full * bs], table[:full], entry.extra)
             self.radix.lock(node)
-            if entry.node is not None and entry.num_cached:
+            if entry.locked:
                 self.radix.unlock(entry.node)
-            entry.node = node
+            entry.node, entry.locked = node, True
         else:
             hashes = self.block_hashes(seq_id, token_ids, extra)
             for i in range(entry.num_cached, full):
@@ -182,9 +184,10 @@ class KVCacheManager:
                     continue  # taken from the cache (or shared by a fork)
                 # The parent is the block cached for the previous hash, which may be a copy of ours.
                 prev = self.pool.lookup(hashes[i - 1]) if i else None
-                parent = (prev, self.pool.generation[prev]) if prev is not None else None
-                if i and parent is None:
-                    break  # the previous block could not be cached: nothing after it can be found
+                if i and prev is None:
+                    full = i  # that copy has been evicted since: try again from here next time
+                    break
+                parent = (prev, self.pool.generation[prev]) if i else None
                 self.pool.cache(b, BlockKey(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), entry.extra, parent))
         entry.num_cached = full
 
@@ -215,8 +218,10 @@ class KVCacheManager:
         self.block_tables[child_id] = list(shared) + dst
         if parent_id in self._seqs:
             p = self._seqs[parent_id]
-            self._seqs[child_id] = _SeqCache(p.extra, list(p.hashes), min(p.num_cached, n_full), p.node)
-            if self.radix and p.node is not None and p.num_cached:
+            # Hashes and cached blocks only up to the fork point: after it the child's tokens are its own.
+            child = _SeqCache(p.extra, p.hashes[:n_full], min(p.num_cached, n_full), p.node, p.locked)
+            self._seqs[child_id] = child
+            if child.locked:
                 self.radix.lock(p.node)
         return copy
 
@@ -227,7 +232,7 @@ class KVCacheManager:
         if table:
             # Free newest first, so that a sequence's last blocks are evicted before its first ones.
             self.pool.free(table[::-1])
-        if self.radix and entry is not None and entry.node is not None and entry.num_cached and table is not None:
+        if entry is not None and entry.locked:
             self.radix.unlock(entry.node)
 
     def reset_prefix_cache(self) -> int:
