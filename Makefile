@@ -25,6 +25,8 @@ test: install
 bench: install
 	$(VENV)/bin/kvcache bench throughput --num-prompts 64 --input-len 64:512 --output-len 32:256 --seed 0 \
 		--baseline hf --json results/throughput.json
+	$(VENV)/bin/kvcache bench throughput --workload shared-prefix --json results/shared_prefix.json
+	$(VENV)/bin/kvcache bench throughput --workload multi-turn --json results/multi_turn.json
 
 clean:
 	rm -rf $(VENV) results

@@ -71,6 +71,10 @@ def print_kv_summary(engine, out=None) -> None:
     print(f"this run  : {st.prompt_tokens:,} prompt + {st.generation_tokens:,} generated tokens; peak "
           f"{peak:,} blocks = {peak * info['block_size'] * info['bytes_per_token'] / 2**20:.2f} MiB in use; "
           f"{info['num_preemptions']} preemptions; {info['used_blocks']} blocks held now", file=out)
+    if info["prefix_caching"]:
+        print(f"prefix    : {info['prefix_caching']}; {info['prefix_cache_hits']:,} of {info['prefix_cache_queries']:,} "
+              f"prompt tokens found cached ({info['prefix_cache_hit_rate']:.0%}); {info['cached_blocks']:,} blocks "
+              f"cached, {info['prefix_cache_evictions']:,} evicted", file=out)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import argparse
 import gc
 import itertools
 import json
+import os
 import time
 from dataclasses import fields
 
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
             r["speedup_vs_off"] = r["output_tokens_per_s"] / off["output_tokens_per_s"]
     _print_table(results)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
         print(f"wrote {args.json}")

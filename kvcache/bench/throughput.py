@@ -167,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         results["hf"]["roofline_fraction"] = min_time / results["hf"]["elapsed_s"]
     _print_table(results)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
         print(f"wrote {args.json}")

@@ -55,3 +55,39 @@ def test_workload_flops_counts_layers_attention_and_head():
     tokens = 3 + 2 - 1
     expected = 2 * (2 * linear * tokens + 4 * 2 * 4 * tokens * (tokens + 1) / 2) + 2 * 2 * 8 * 10
     assert workload_flops(Cfg, work) == expected
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("workload, extra", [
+    ("shared-prefix", ["--num-groups", "3", "--requests-per-group", "4", "--prefix-len", "40", "--suffix-len", "6"]),
+    ("multi-turn", ["--num-conversations", "3", "--num-turns", "3", "--prefix-len", "40", "--suffix-len", "6"]),
+])
+def test_bench_prefix_caching_modes_side_by_side(tiny_llama, tmp_path, capsys, workload, extra):
+    """off / hash / radix in one run: same greedy outputs, fewer prefill tokens with caching, numbers that add up."""
+    out = tmp_path / "prefix.json"
+    rc = main(["bench", "throughput", "--model", tiny_llama, "--workload", workload, *extra, "--output-len", "5",
+               "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "64", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    modes = r["modes"]
+    assert list(modes) == ["off", "hash", "radix"]
+    n_req = 12 if workload == "shared-prefix" else 9
+    for m, v in modes.items():
+        assert v["requests"] == n_req and v["output_tokens"] == 5 * n_req
+        assert v["outputs_match_first_mode"], f"{m} changed the greedy outputs"
+        assert v["prefill_tokens_computed"] == v["input_tokens"] - v["prefix_cache_hits"]
+        assert v["ttft_mean_s"] > 0
+    assert modes["off"]["prefix_cache_hits"] == 0 and modes["off"]["prefill_reduction"] == 0
+    for m in ("hash", "radix"):
+        assert modes[m]["prefix_cache_hits"] > 0 and modes[m]["prefill_reduction"] > 0.3
+        assert modes[m]["hit_rate"] == pytest.approx(modes[m]["prefix_cache_hits"] / modes[m]["prefix_cache_queries"])
+    table = capsys.readouterr().out
+    assert "prefix caching" in table and "radix" in table and "fewer" in table
+
+
+def test_bench_prefix_rejects_bad_flags(tiny_llama, capsys):
+    for flags, message in ((["--prefix-caching-modes", "off,lru"], "prefix-caching-modes"),
+                           (["--output-len", "4:8"], "one --output-len"),
+                           (["--baseline", "hf"], "baseline")):
+        rc = main(["bench", "throughput", "--model", tiny_llama, "--workload", "shared-prefix", *flags])
+        assert rc == 2 and message in capsys.readouterr().err
