@@ -73,6 +73,17 @@ def hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of one unpadded prompt: exactly `n` tokens, EOS disabled."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=n,
+                             max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    assert len(tokens) == n
+    return tokens
+
+
 @pytest.fixture(scope="session")
 def demo_path() -> str:
     from kvcache.models.loader import demo_model_path

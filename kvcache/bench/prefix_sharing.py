@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import json
-import os
 import time
 from dataclasses import fields
 
 import numpy as np
 
+from kvcache.bench.throughput import write_json
 from kvcache.bench.workload import parse_range
 from kvcache.config import EngineConfig
 
@@ -139,10 +138,7 @@ def run(args: argparse.Namespace) -> int:
             r["speedup_vs_off"] = r["output_tokens_per_s"] / off["output_tokens_per_s"]
     _print_table(results)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, results)
     return 0
 
 

@@ -45,6 +45,14 @@ class PeakRSS:
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
+def write_json(path: str, results: dict) -> None:
+    """Write a benchmark's results (creating the folder) and say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {path}")
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", default="64:512", help="prompt length range A:B (tokens)")
@@ -167,10 +175,7 @@ def run(args: argparse.Namespace) -> int:
         results["hf"]["roofline_fraction"] = min_time / results["hf"]["elapsed_s"]
     _print_table(results)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, results)
     return 0
 
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from conftest import hf_model
+from conftest import hf_greedy, hf_model
 from kvcache import LLM, SamplingParams
 from kvcache.memory.kv_cache_manager import blocks_for
 
@@ -30,16 +29,6 @@ def _workload(seed: int) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
-def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=n,
-                             max_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    tokens = out[0, len(prompt):].tolist()
-    assert len(tokens) == n
-    return tokens
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def case(request, tiny_model_dirs):
     """(arch, model dir, prompts, max_tokens, transformers' greedy tokens for each prompt)."""
@@ -47,7 +36,7 @@ def case(request, tiny_model_dirs):
     path = tiny_model_dirs[arch]
     prompts, max_tokens = _workload(seed=0)  # same lengths, so the same schedule, for every arch
     model = hf_model(path)
-    expected = [_hf_greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
+    expected = [hf_greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
     return arch, path, prompts, max_tokens, expected
 
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import hf_model
+from conftest import hf_greedy, hf_model
 from kvcache import LLM, SamplingParams
 from kvcache.plan.kv_bytes import kv_bytes_per_token
 from kvcache.plan.model_source import load_model_shape
@@ -36,20 +35,13 @@ def _workload() -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
-def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=n,
-                             max_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
 
 @pytest.fixture(scope="module", params=ARCHS)
 def case(request, tiny_model_dirs):
     path = tiny_model_dirs[request.param]
     prompts, max_tokens = _workload()
     model = hf_model(path)
-    return path, prompts, max_tokens, [_hf_greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
+    return path, prompts, max_tokens, [hf_greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
 
 
 def _params(max_tokens: list[int], n: int = 1) -> list[SamplingParams]:
