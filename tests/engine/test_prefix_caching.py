@@ -35,7 +35,6 @@ def _workload() -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
-
 @pytest.fixture(scope="module", params=ARCHS)
 def case(request, tiny_model_dirs):
     path = tiny_model_dirs[request.param]
