@@ -1,4 +1,4 @@
-"""The `kvcache` command: generate, chat, plan, simulate, bench."""
+"""The `kvcache` command: generate, chat, serve, top, plan, simulate, bench."""
 from __future__ import annotations
 
 import argparse
@@ -326,6 +326,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvcache.server.serve import run
+    return run(args, engine_config(args))
+
+
 def _make_llm(args: argparse.Namespace):
     from kvcache.engine.llm import LLM
     return LLM(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
@@ -360,6 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     add_simulate_args(sm)
     sm.set_defaults(func=cmd_simulate)
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
+    add_engine_args(sv)
+    from kvcache.server.serve import add_args as add_serve_args
+    add_serve_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
+    tp = sub.add_parser("top", help="live view of a server's KV cache figures, with warnings")
+    from kvcache.server.top import add_args as add_top_args, run as run_top
+    add_top_args(tp)
+    tp.set_defaults(func=run_top)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     from kvcache.bench.throughput import add_args as add_tp_args, run as run_tp
@@ -367,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(t)
     add_tp_args(t)
     t.set_defaults(func=run_tp)
+    from kvcache.bench.serve import add_args as add_serve_bench_args, run as run_serve_bench
+    bs = bsub.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput")
+    add_serve_bench_args(bs)
+    bs.set_defaults(func=run_serve_bench)
 
     args = parser.parse_args(argv)
     try:

@@ -101,41 +101,35 @@ class Scheduler:
             else:
                 scheduled[seq.seq_id] = n
                 budget -= n
-        if not out.preempted:
+        if not out.preempted or not scheduled:  # after preempting everything, restart from the queue
             budget = self._admit(scheduled, budget)
         by_id = {s.seq_id: s for s in self.running}
         out.chunks = [(by_id[i], n) for i, n in scheduled.items()]
         return out
 
-    def _lookup(self, seq: Sequence) -> list[int]:
-        """Cached blocks `seq` can start from; the first lookup of a request counts in the hit rate."""
-        record = not seq.prefix_counted and seq.index == 0
-        seq.prefix_counted = True
-        return self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key, record=record)
-
     def _admit(self, scheduled: dict[int, int], budget: int) -> int:
         lpm = (self.config.scheduling_policy == "lpm" and self.kv.prefix_caching is not None
                and len(self.waiting) <= LPM_MAX_QUEUE)
+        order = list(self.waiting)
+        prefixes = {s.seq_id: self.kv.find_prefix(s.seq_id, s.token_ids, s.extra_key) for s in order} if lpm else {}
         if lpm:
-            hits = {s.seq_id: len(self.kv.find_prefix(s.seq_id, s.token_ids, s.extra_key)) for s in self.waiting}
-            self.waiting = deque(sorted(self.waiting, key=lambda s: -hits[s.seq_id]))
+            order.sort(key=lambda s: -len(prefixes[s.seq_id]))  # stable: FCFS among equals
         computing: set[int] = set()  # lpm: hashes of the first uncached block of each prompt admitted now
-        i = 0
         bs = self.kv.block_size
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[i]
-            prefix = self._lookup(seq)
+        for seq in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            prefix = prefixes[seq.seq_id] if lpm else self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key)
             cached = len(prefix) * bs
             remaining = seq.num_tokens - cached
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
             first_new = None
-            if lpm and len(prefix) < seq.num_tokens // bs:
+            if lpm and len(prefix) < (seq.num_tokens - 1) // bs:  # a block it could take from the cache
                 first_new = self.kv.block_hashes(seq.seq_id, seq.token_ids, seq.extra_key)[len(prefix)]
                 if first_new in computing:
-                    i += 1  # share it next step instead of computing it twice now
-                    continue
+                    continue  # share it next step instead of computing it twice now
             # Gate: keep a reserve for running sequences to grow into, so admitting this
             # one does not force a preemption a few steps later.
             need = self.kv.blocks_needed(seq.seq_id, cached + n, prefix)
@@ -144,7 +138,10 @@ class Scheduler:
                 break
             if not self.kv.allocate(seq.seq_id, cached + n, prefix):
                 break
-            del self.waiting[i]
+            self.waiting.remove(seq)
+            if not seq.prefix_counted and seq.index == 0:  # once per request, at admission (vLLM's counting)
+                seq.prefix_counted = True
+                self.kv.record_lookup(seq.num_tokens, cached)
             seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -3,9 +3,9 @@
 Block i of a sequence is keyed by hash(key of block i-1, its token ids, extra keys), so equal
 keys mean equal prefixes. The extra keys hold the request's `cache_salt` (and have room for an
 adapter id): requests with different salts never share. A hash alone could collide, so a
-cached block also records its tokens and the exact block (id and generation) before it;
-a lookup accepts a block only if all of them match, and a collision cannot hand out
-another prompt's KV.
+cached block also records its tokens and the exact block (id and generation) before it.
+A lookup accepts a block only if all of them match, and a sequence registers a block only
+on top of blocks it verified the same way, so a collision cannot hand out another prompt's KV.
 """
 from __future__ import annotations
 

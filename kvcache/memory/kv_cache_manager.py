@@ -102,12 +102,11 @@ class KVCacheManager:
             entry.hashes = chain_hashes(token_ids, self.block_size, entry.extra, entry.hashes)
         return entry.hashes
 
-    def find_prefix(self, seq_id: int, token_ids: list[int], extra: tuple = (), record: bool = False) -> list[int]:
+    def find_prefix(self, seq_id: int, token_ids: list[int], extra: tuple = ()) -> list[int]:
         """Cached blocks holding the longest block-aligned prefix of `token_ids`, short of its last token
         (which is recomputed so that there are logits to sample from).
 
-        Takes no reference: pass the result to `allocate` in the same step. `record` counts the
-        lookup in the hit-rate statistics (the caller does so once per request, as vLLM does).
+        Takes no reference: pass the result to `allocate` in the same step.
         """
         if self.prefix_caching is None or seq_id in self.block_tables:
             return []
@@ -126,9 +125,6 @@ class KVCacheManager:
                     break
                 blocks.append(b)
                 parent = (b, self.pool.generation[b])
-        if record:
-            self.stats.queries += len(token_ids)
-            self.stats.hits += len(blocks) * bs
         return blocks
 
     # ---- tables --------------------------------------------------------------------------------
@@ -171,25 +167,47 @@ class KVCacheManager:
             return
         bs = self.block_size
         if self.radix:
-            node = self.radix.insert(token_ids[:full * bs], table[:full], entry.extra)
+            node, tree_blocks = self.radix.insert(token_ids[:full * bs], table[:full], entry.extra)
             self.radix.lock(node)
             if entry.locked:
                 self.radix.unlock(entry.node)
             entry.node, entry.locked = node, True
+            for i in range(entry.num_cached, full):
+                if table[i] != tree_blocks[i]:
+                    self._swap(table, i, tree_blocks[i])
         else:
             hashes = self.block_hashes(seq_id, token_ids, extra)
             for i in range(entry.num_cached, full):
                 b = table[i]
                 if self.pool.keys[b] is not None:
-                    continue  # taken from the cache (or shared by a fork)
-                # The parent is the block cached for the previous hash, which may be a copy of ours.
-                prev = self.pool.lookup(hashes[i - 1]) if i else None
-                if i and prev is None:
-                    full = i  # that copy has been evicted since: try again from here next time
+                    continue  # taken from the cache (or shared by a fork): already the cached block
+                tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+                # Blocks before i are the cached ones by now, so the parent is our own table's.
+                parent = (table[i - 1], self.pool.generation[table[i - 1]]) if i else None
+                key = BlockKey(hashes[i], tokens, entry.extra, parent)
+                other = self.pool.lookup(hashes[i])
+                if other is None:
+                    self.pool.cache(b, key)
+                elif self.pool.keys[other] == key:
+                    self._swap(table, i, other)  # computed twice (same step): keep one copy
+                else:
+                    full = i  # a real hash collision: cache nothing more of this sequence
                     break
-                parent = (prev, self.pool.generation[prev]) if i else None
-                self.pool.cache(b, BlockKey(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), entry.extra, parent))
         entry.num_cached = full
+
+    def _swap(self, table: list[int], i: int, cached: int) -> None:
+        """Replace the sequence's full block i by the cached block with the same content, freeing its own."""
+        if self.radix:
+            self.pool.share([cached])  # held by the tree
+        else:
+            self.pool.touch([cached])  # may be idle in the free list
+        self.pool.free([table[i]])
+        table[i] = cached
+
+    def record_lookup(self, num_tokens: int, num_hits: int) -> None:
+        """Count one request's prefix lookup in the hit rate (tokens looked up, tokens found cached)."""
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hits
 
     def fork(self, parent_id: int, child_id: int, num_tokens: int) -> tuple[int, int] | None:
         """Give `child_id` the parent's first `num_tokens` tokens of KV.

@@ -81,10 +81,11 @@ class RadixCache:
             node = child
         return blocks, node
 
-    def insert(self, token_ids: list[int], blocks: list[int], extra: tuple) -> RadixNode:
+    def insert(self, token_ids: list[int], blocks: list[int], extra: tuple) -> tuple[RadixNode, list[int]]:
         """Add the block-aligned `token_ids` held in `blocks`; the part already cached keeps its blocks.
 
-        The tree takes a pool reference on each block it adopts. Returns the node the prefix ends at.
+        The tree takes a pool reference on each block it adopts. Returns the node the prefix ends at
+        and the tree's blocks for the whole prefix (the caller swaps its duplicates for them).
         """
         cached, node = self.match(token_ids, extra)
         depth = len(cached)
@@ -95,8 +96,8 @@ class RadixCache:
             node.children[self._first(new.tokens)] = new
             self.num_blocks += len(new.blocks)
             self.evictable_blocks += len(new.blocks)
-            node = new
-        return node
+            return new, cached + new.blocks
+        return node, cached[:len(blocks)]
 
     def lock(self, node: RadixNode) -> None:
         """Protect `node` and its ancestors from eviction (a running request uses them)."""
@@ -122,8 +123,9 @@ class RadixCache:
             node = node.parent
         return n
 
-    def evict(self, num_blocks: int) -> int:
-        """Free at least `num_blocks` blocks (if that many are evictable), oldest unlocked leaves first."""
+    def evict(self, num_blocks: int, count: bool = True) -> int:
+        """Free at least `num_blocks` blocks (if that many are evictable), oldest unlocked leaves first.
+        `count` adds them to `num_evictions` (a reset does not)."""
         leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
         freed = 0
@@ -135,9 +137,13 @@ class RadixCache:
             freed += len(node.blocks)
             self.num_blocks -= len(node.blocks)
             self.evictable_blocks -= len(node.blocks)
-            self.num_evictions += len(node.blocks)
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        if count:
+            self.num_evictions += freed
+        # a root per cache salt: drop the empty ones, or one per tenant would pile up
+        for extra in [e for e, root in self.roots.items() if not root.children and e != ()]:
+            del self.roots[extra]
         return freed
 
     def _nodes(self):
@@ -150,4 +156,4 @@ class RadixCache:
 
     def reset(self) -> int:
         """Drop every unlocked node; returns the blocks freed."""
-        return self.evict(self.num_blocks)
+        return self.evict(self.num_blocks, count=False)

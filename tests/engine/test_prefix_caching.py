@@ -159,10 +159,25 @@ def test_lpm_holds_back_a_prompt_whose_prefix_is_being_computed(tiny_llama):
     for policy in ("fcfs", "lpm"):
         llm = LLM(tiny_llama, kv_cache_memory="4MiB", max_num_batched_tokens=512, scheduling_policy=policy)
         outs = _generate(llm, prompts, [3] * len(prompts))
-        computed[policy] = (llm.engine.stats.prefill_tokens_computed, outs)
+        computed[policy] = ((llm.engine.stats.prefill_tokens_computed, llm.kv_cache_info()["prefix_cache_hits"]),
+                            outs)
     assert computed["lpm"][1] == computed["fcfs"][1]
-    assert computed["fcfs"][0] == 8 * 68  # everything admitted in the first step: no sharing
-    assert computed["lpm"][0] == 2 * 68 + 6 * 4  # one prefix per group, the rest only their suffixes
+    assert computed["fcfs"][0] == (8 * 68, 0)  # everything admitted in the first step: no sharing
+    assert computed["lpm"][0] == (2 * 68 + 6 * 4, 6 * 64)  # one prefix per group, the rest only their suffixes
+
+
+@pytest.mark.parametrize("mode", ["hash", "radix"])
+def test_repeating_a_request_larger_than_half_the_pool(tiny_llama, mode):
+    """The repeat's blocks duplicate cached ones; they must be merged, not pinned beside them, or a request
+    needing most of the pool could never fit again."""
+    per_token = kv_bytes_per_token(load_model_shape(tiny_llama), "float32")
+    llm = LLM(tiny_llama, kv_cache_memory=40 * 16 * per_token, **_mode(mode))
+    prompt = {"prompt_token_ids": list(range(20, 120))}
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # 500 tokens: 32 of the 40 blocks
+    first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    for _ in range(2):
+        assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
+    llm.engine.check_no_leaks()
 
 
 # ---- block accounting under random interleavings --------------------------------------------------

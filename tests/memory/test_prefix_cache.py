@@ -445,14 +445,13 @@ def test_hit_rate_stats(mode):
     t = list(range(100, 113))
     assert kv.stats.hit_rate == 0.0
     run_and_cache(kv, 1, t)
-    assert kv.stats.queries == 0 and kv.stats.hits == 0  # not recorded by default
-    assert len(kv.find_prefix(2, t, record=True)) == 3
+    assert len(kv.find_prefix(2, t)) == 3
+    assert kv.stats.queries == 0 and kv.stats.hits == 0  # a lookup alone counts nothing: admission does
+    kv.record_lookup(len(t), 12)
     assert kv.stats.queries == 13 and kv.stats.hits == 12
-    assert kv.find_prefix(3, [1] * 10, record=True) == []
+    kv.record_lookup(10, 0)
     assert kv.stats.queries == 23 and kv.stats.hits == 12
     assert kv.stats.hit_rate == pytest.approx(12 / 23)
-    kv.find_prefix(4, t, record=False)
-    assert kv.stats.queries == 23 and kv.stats.hits == 12
 
 
 def test_no_prefix_caching_finds_nothing():
@@ -461,7 +460,7 @@ def test_no_prefix_caching_finds_nothing():
     assert kv.allocate(1, len(t))
     kv.cache_blocks(1, t, len(t))
     assert kv.num_cached_blocks == 0
-    assert kv.find_prefix(2, t, record=True) == [] and kv.stats.queries == 0
+    assert kv.find_prefix(2, t) == [] and kv.stats.queries == 0
 
 
 # ---- random use: both modes --------------------------------------------------------------------
@@ -508,7 +507,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         sid = self.next_id
         self.next_id += 1
         kv = self.kv
-        prefix = kv.find_prefix(sid, tokens, extra, record=True)
+        prefix = kv.find_prefix(sid, tokens, extra)
         assert len(prefix) <= (len(tokens) - 1) // BS
         for i, b in enumerate(prefix):  # a hit hands out exactly the K/V of these tokens
             assert self.content[b] == tokens[i * BS:(i + 1) * BS], (b, i)
@@ -660,3 +659,48 @@ for _machine in (PrefixCacheMachine, RadixPrefixCacheMachine):
 
 TestHashPrefixCacheMachine = PrefixCacheMachine.TestCase
 TestRadixPrefixCacheMachine = RadixPrefixCacheMachine.TestCase
+
+
+# ---- duplicates and collisions ------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_same_blocks_computed_twice_are_merged(mode):
+    """Two sequences admitted together compute the same prompt: once registered, the second drops its copies
+    and reads the cached blocks, so the duplicates go back to the pool instead of being pinned."""
+    kv = KVCacheManager(20, BS, mode)
+    t = list(range(100, 114))  # 3 full blocks + 2
+    for seq in (1, 2):
+        assert kv.allocate(seq, len(t))  # no prefix yet: both compute everything
+    free_before = kv.pool.num_free
+    kv.cache_blocks(1, t, len(t))
+    kv.cache_blocks(2, t, len(t))
+    assert kv.block_tables[1][:3] == kv.block_tables[2][:3]
+    assert kv.block_tables[1][3] != kv.block_tables[2][3]  # the partial blocks stay private
+    assert kv.pool.num_free == free_before + 3
+    assert kv.num_free_blocks == kv.pool.num_usable - 5  # 3 shared blocks and 2 private partial ones
+    for seq in (1, 2):
+        kv.free(seq)
+    assert_no_leak(kv)
+
+
+def test_hash_collision_never_hands_out_another_prompts_blocks(monkeypatch):
+    """Force every first block to hash alike: a colliding sequence caches nothing, and a later prompt that
+    shares the first block of one of them finds only that block, never one computed after other tokens."""
+    import kvcache.memory.kv_cache_manager as manager
+
+    def weak(token_ids, bs, extra, start):  # block 0's hash ignores its tokens
+        hashes, prev = list(start), start[-1] if start else ROOT_HASH
+        for i in range(len(hashes), len(token_ids) // bs):
+            prev = hash((prev, "collide" if i == 0 else tuple(token_ids[i * bs:(i + 1) * bs]), extra))
+            hashes.append(prev)
+        return hashes
+
+    monkeypatch.setattr(manager, "chain_hashes", weak)
+    kv = KVCacheManager(20, 2, "hash")
+    x, y, z = [1, 2, 3, 4, 0], [5, 6, 7, 8, 0], [1, 2, 7, 8, 9]
+    run_and_cache(kv, 1, x)
+    y_table = run_and_cache(kv, 2, y)
+    assert all(kv.pool.keys[b] is None for b in y_table)  # y collided on block 0: nothing of it is cached
+    assert kv.find_prefix(3, z) == kv.block_tables[1][:1]  # x's first block, and nothing computed after y's
+    assert kv.find_prefix(4, y) == []
+

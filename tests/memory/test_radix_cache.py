@@ -27,7 +27,7 @@ def tree_blocks(rc: RadixCache) -> list[int]:
 def cached(pool: BlockPool, rc: RadixCache, tokens: list[int], extra: tuple = ()) -> tuple[list[int], RadixNode]:
     """Insert `tokens` in fresh blocks and drop the caller's reference: the tree alone holds them."""
     blocks = pool.allocate(len(tokens) // BS)
-    node = rc.insert(tokens, blocks, extra)
+    node, _ = rc.insert(tokens, blocks, extra)
     pool.free(blocks)
     return blocks, node
 
@@ -36,7 +36,7 @@ def test_insert_then_match_returns_the_same_blocks():
     pool, rc = make()
     t = toks(100, 3)
     blocks = pool.allocate(3)
-    node = rc.insert(t, blocks, ())
+    node, _ = rc.insert(t, blocks, ())
     assert node.blocks == blocks and node.tokens == tuple(t)
     assert rc.num_blocks == 3 and rc.evictable_blocks == 3
     # the tree took one pool reference on each block, next to the caller's
@@ -58,7 +58,7 @@ def test_match_ending_inside_a_node_splits_it():
     pool, rc = make()
     t = toks(100, 3)
     blocks = pool.allocate(3)
-    node = rc.insert(t, blocks, ())
+    node, _ = rc.insert(t, blocks, ())
     rc.lock(node)
     root = rc.roots[()]
     got, upper = rc.match(t[:8] + [7, 7, 7, 7], ())  # two blocks match, the third differs
@@ -92,11 +92,12 @@ def test_second_insert_reuses_the_cached_prefix_and_adopts_only_the_suffix():
     pool, rc = make()
     t1 = toks(100, 3)
     b1 = pool.allocate(3)
-    n1 = rc.insert(t1, b1, ())
+    n1, _ = rc.insert(t1, b1, ())
     t2 = t1[:8] + toks(500, 2)
     b2 = pool.allocate(4)  # the caller computed the shared part again in its own blocks
-    n2 = rc.insert(t2, b2, ())
+    n2, path = rc.insert(t2, b2, ())
     assert n2.blocks == b2[2:] and n2.tokens == tuple(t2[8:])
+    assert path == b1[:2] + b2[2:]  # the tree's blocks for the whole prefix: the caller swaps its duplicates
     assert rc.num_blocks == 5 and rc.evictable_blocks == 5
     # the duplicates of the cached part are not taken; the new suffix is, with a pool reference
     assert [pool.ref_counts[b] for b in b2] == [1, 1, 2, 2]
@@ -109,7 +110,7 @@ def test_second_insert_reuses_the_cached_prefix_and_adopts_only_the_suffix():
     assert rc.match(t1, ()) == (b1, n1)
     # inserting something entirely cached adopts nothing and returns the existing node
     b3 = pool.allocate(2)
-    assert rc.insert(t1[:8], b3, ()) is upper
+    assert rc.insert(t1[:8], b3, ()) == (upper, b1[:2])
     assert [pool.ref_counts[b] for b in b3] == [1, 1] and rc.num_blocks == 5
 
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: API, engine loop, Prometheus metrics, `kvcache top`."""

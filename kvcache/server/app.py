@@ -1,0 +1,335 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat, streaming, tokenize, models, health, metrics.
+
+Every error reaches the client as {"error": {"message", "type", "param", "code"}} with a 4xx/5xx
+status; no stack trace leaves the server. A client that disconnects has its request aborted.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from kvcache.engine.llm_engine import RequestOutput
+from kvcache.server.engine_loop import EngineDeadError, EngineLoop
+from kvcache.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest, validation_error)
+
+log = logging.getLogger("kvcache.server")
+OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
+DISCONNECT_POLL_S = 0.5
+
+
+def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = None,
+              max_waiting_requests: int = 512, max_body_bytes: int = 4 * 2**20) -> FastAPI:
+    """The FastAPI application over a running EngineLoop."""
+    app = FastAPI(title="kvcache", docs_url=None, redoc_url=None, openapi_url=None)
+    engine = loop.engine
+    tokenizer = engine.tokenizer
+    expected_auth = f"Bearer {api_key}".encode() if api_key else None
+
+    app.add_middleware(Guard, expected_auth=expected_auth, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # never a stack trace to the client
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return _error(APIError(500, "internal server error", type="server_error"))
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return _error(exc)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _):
+        return _error(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, _):
+        return _error(APIError(405, f"method {request.method} not allowed on {request.url.path}"))
+
+    async def parse(request: Request, model_cls):
+        body = await request.body()
+        if len(body) > max_body_bytes:
+            raise APIError(413, f"request body is over the {max_body_bytes:,}-byte limit", code="body_too_large")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+        try:
+            req = model_cls.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        if getattr(req, "model", None) not in (None, model_name):
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return req
+
+    def admit() -> None:
+        if not loop.alive:
+            raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
+        if loop.num_waiting >= max_waiting_requests:
+            raise APIError(503, f"{loop.num_waiting} requests are already waiting (limit {max_waiting_requests}); "
+                                "retry later", type="server_overloaded", code="too_many_waiting",
+                           headers={"Retry-After": "1"})
+
+    # ---- info endpoints ----------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        if loop.alive:
+            return Response(status_code=200)
+        return _error(APIError(503, "the engine loop is not running", type="server_error", code="engine_dead"))
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "kvcache", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await parse(request, TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            ids = tokenizer.encode(_chat_prompt(tokenizer, req.messages, True), add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await parse(request, DetokenizeRequest)
+        vocab = engine.model.config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    # ---- generation --------------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, CompletionRequest)
+        for name, bad in (("echo", req.echo), ("suffix", req.suffix), ("logprobs", req.logprobs is not None),
+                          ("best_of", req.best_of not in (None, req.n))):
+            if bad:
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        params = _params(req, 16 if req.max_tokens is None else req.max_tokens)
+        prompts = req.prompts()
+        return await _generate(request, req, "cmpl", "text_completion", prompts, params, True)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await parse(request, ChatCompletionRequest)
+        for name, bad in (("logprobs", req.logprobs or req.top_logprobs), ("tools", req.tools)):
+            if bad:
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        params = _params(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
+        prompt = _chat_prompt(tokenizer, req.messages, req.add_generation_prompt)
+        return await _generate(request, req, "chatcmpl", "chat.completion", [prompt], params, False)
+
+    async def _generate(request: Request, req, prefix: str, kind: str, prompts: list, params, special: bool):
+        admit()
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        out: asyncio.Queue = asyncio.Queue()
+        ids = [f"{rid}-{i}" for i in range(len(prompts))]
+        submitted = []
+        try:
+            for sub_id, p in zip(ids, prompts):
+                await loop.submit(sub_id, p, params, special, req.cache_salt, out)
+                submitted.append(sub_id)
+        except ValueError as e:
+            for sub_id in submitted:
+                loop.abort(sub_id)
+            raise APIError(400, str(e), param=_param_of(str(e))) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+        created = int(time.time())
+        if req.stream:
+            body = _stream(request, loop, out, ids, rid, kind, created, model_name, params, req.include_usage)
+            return StreamingResponse(body, media_type="text/event-stream")
+        finals = await _collect(request, loop, out, ids)
+        return _response(finals, ids, rid, kind, created, model_name, params.n)
+
+    return app
+
+
+class Guard:
+    """Plain ASGI middleware (so that handlers still see client disconnects): the API key on every path but
+    OPEN_PATHS, and the body-size limit by Content-Length (bodies without one are checked when read)."""
+
+    def __init__(self, app, expected_auth: bytes | None, max_body_bytes: int) -> None:
+        self.app, self.expected_auth, self.max_body_bytes = app, expected_auth, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            error = None
+            if self.expected_auth and scope["path"] not in OPEN_PATHS and not hmac.compare_digest(
+                    headers.get(b"authorization", b""), self.expected_auth):
+                error = APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                                 type="authentication_error", code="invalid_api_key")
+            length = headers.get(b"content-length", b"")
+            if error is None and length.isdigit() and int(length) > self.max_body_bytes:
+                error = APIError(413, f"request body of {int(length):,} bytes is over the {self.max_body_bytes:,}-byte "
+                                      "limit", code="body_too_large")
+            if error is not None:
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _params(req, max_tokens):
+    try:
+        return req.sampling_params(max_tokens)
+    except ValueError as e:
+        raise APIError(400, str(e), param=_param_of(str(e))) from None
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine error names ('temperature must be ...' -> 'temperature')."""
+    word = message.split(" ", 1)[0]
+    return word if word.isidentifier() and word.islower() else None
+
+
+def _chat_prompt(tokenizer, messages, add_generation_prompt: bool) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions")
+    convo = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as e:  # a template may raise anything (jinja errors, its own checks)
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _collect(request: Request, loop: EngineLoop, out: asyncio.Queue, ids: list[str]) -> dict[str, RequestOutput]:
+    """Wait for every sub-request's final output; abort all if the client disconnects."""
+    finals: dict[str, RequestOutput] = {}
+    open_ids = set(ids)
+    next_check = time.monotonic() + DISCONNECT_POLL_S
+    while open_ids:
+        # Outputs arrive every step, so look for a disconnect on a clock, not only when the queue is quiet.
+        if time.monotonic() >= next_check:
+            if await request.is_disconnected():
+                for sub_id in open_ids:
+                    loop.abort(sub_id)
+                raise APIError(499, "client disconnected")
+            next_check = time.monotonic() + DISCONNECT_POLL_S
+        try:
+            item = await asyncio.wait_for(out.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            continue
+        if isinstance(item, BaseException):
+            raise APIError(503, f"the engine stopped: {item}", type="server_error", code="engine_dead")
+        if isinstance(item, tuple):
+            open_ids.discard(item[0])
+        elif item.finished:
+            finals[item.request_id] = item
+    return finals
+
+
+def _usage(finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _response(finals: dict[str, RequestOutput], ids: list[str], rid: str, kind: str, created: int, model: str,
+              n: int) -> dict:
+    choices = []
+    for i, sub_id in enumerate(ids):
+        for c in finals[sub_id].outputs:
+            choice = {"index": i * n + c.index, "finish_reason": c.finish_reason, "logprobs": None}
+            if kind == "chat.completion":
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            if c.stop_reason is not None:
+                choice["stop_reason"] = c.stop_reason
+            choices.append(choice)
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
+            "usage": _usage([finals[i] for i in ids])}
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def _stream(request: Request, loop: EngineLoop, out: asyncio.Queue, ids: list[str], rid: str, kind: str,
+                  created: int, model: str, params, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: text deltas per choice, a finish_reason per choice, usage if asked, then [DONE].
+
+    Text that may be the start of a stop string, or an unfinished UTF-8 character, is held back
+    until the next tokens settle it.
+    """
+    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    holdback = max((len(s) for s in params.stop), default=1) - 1
+    sent: dict[tuple[str, int], int] = {}  # (sub-request, choice) -> characters sent
+    ended: set[tuple[str, int]] = set()  # choices whose finish chunk went out
+    finals: dict[str, RequestOutput] = {}
+    open_ids = set(ids)
+    index_of = {sub_id: i for i, sub_id in enumerate(ids)}
+
+    def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+        if chunk_kind == "text_completion":
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        else:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return _sse({"id": rid, "object": chunk_kind, "created": created, "model": model, "choices": [choice]})
+
+    try:
+        if chunk_kind != "text_completion":
+            for sub_id in ids:
+                for j in range(params.n):
+                    yield chunk(index_of[sub_id] * params.n + j, None, None, role=True)
+        while open_ids:
+            item = await out.get()
+            if isinstance(item, BaseException):
+                yield _sse(APIError(503, f"the engine stopped: {item}", type="server_error").body())
+                return
+            if isinstance(item, tuple):
+                open_ids.discard(item[0])
+                continue
+            for c in item.outputs:
+                key = (item.request_id, c.index)
+                if key in ended:
+                    continue
+                done = c.finish_reason is not None
+                start = sent.get(key, 0)
+                end = len(c.text) if done else max(start, len(c.text) - holdback)
+                while not done and end > start and c.text[end - 1] == "\ufffd":
+                    end -= 1
+                index = index_of[item.request_id] * params.n + c.index
+                if end > start:
+                    sent[key] = end
+                    yield chunk(index, c.text[start:end], None)
+                if done:
+                    ended.add(key)
+                    yield chunk(index, None, c.finish_reason)
+            if item.finished:
+                finals[item.request_id] = item
+        if include_usage:
+            yield _sse({"id": rid, "object": chunk_kind, "created": created, "model": model, "choices": [],
+                        "usage": _usage([finals[i] for i in ids if i in finals])})
+        yield "data: [DONE]\n\n"
+    finally:
+        for sub_id in open_ids:  # the client went away (or the engine failed): free their blocks
+            loop.abort(sub_id)

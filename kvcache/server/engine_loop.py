@@ -1,0 +1,174 @@
+"""The engine's own thread: HTTP handlers submit and abort through a queue; outputs go back to asyncio.
+
+LLMEngine is not thread-safe, so only this thread touches it. Each step batches every
+running request (continuous batching across HTTP requests); each request's outputs are put
+on its asyncio queue with `call_soon_threadsafe`. If a step raises, the loop stops, every
+pending request gets the error, and `alive` turns False (GET /health answers 503).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from kvcache.engine.llm_engine import LLMEngine, RequestOutput
+from kvcache.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("kvcache.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (a step raised, or the server is shutting down)."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput items, then (request_id, None) when done, or an exception
+
+
+class EngineLoop:
+    """Runs `engine.step()` in a thread while requests are unfinished; sleeps on the command queue otherwise."""
+
+    def __init__(self, engine: LLMEngine, metrics=None, log_interval_s: float = 10.0) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.log_interval_s = log_interval_s
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread = threading.Thread(target=self._run, name="kvcache-engine", daemon=True)
+        self._stopping = False
+        self.error: BaseException | None = None
+        # Each counter has one writer thread, so no lock: pending = submitted - taken.
+        self._submitted = 0  # by asyncio handlers
+        self._taken = 0  # by the engine thread
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stopping
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and not yet running (read from another thread: a snapshot)."""
+        return len(self.engine.scheduler.waiting) + self._submitted - self._taken
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    # ---- called from asyncio handlers ----------------------------------------------------------------
+
+    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     add_special_tokens: bool = True, cache_salt: str | None = None,
+                     out: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queue a request; returns the asyncio queue (`out`, or a new one) its outputs arrive on: each
+        RequestOutput, then (request_id, None) when it is done. Raises the engine's ValueError (bad prompt
+        or parameters) or EngineDeadError."""
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+        stream = _Stream(loop, out if out is not None else asyncio.Queue())
+        self._submitted += 1
+        self._commands.put(("add", request_id, prompt, params, add_special_tokens, cache_salt, stream, accepted))
+        await accepted  # raises what add_request raised
+        return stream.queue
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (the client went away); its blocks are freed before the next step."""
+        self._commands.put(("abort", request_id))
+
+    # ---- the engine thread ----------------------------------------------------------------------------
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, params, special, salt, stream, accepted = cmd
+            self._taken += 1
+            try:
+                self.engine.add_request(rid, prompt, params, stream=True, add_special_tokens=special, cache_salt=salt)
+            except Exception as e:  # the handler turns it into an HTTP error
+                stream.loop.call_soon_threadsafe(_settle, accepted, e)
+                return
+            self._streams[rid] = stream
+            stream.loop.call_soon_threadsafe(_settle, accepted, None)
+        elif cmd[0] == "abort":
+            rid = cmd[1]
+            if self.engine.abort_request(rid) and self.metrics:
+                self.metrics.on_abort(rid)
+            stream = self._streams.pop(rid, None)
+            if stream:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (rid, None))
+
+    def _run(self) -> None:
+        last_log = time.monotonic()
+        try:
+            while not self._stopping:
+                # Idle: sleep until a command comes. Busy: take what is queued and step.
+                block = not self.engine.has_unfinished_requests()
+                try:
+                    while True:
+                        cmd = self._commands.get(block=block)
+                        block = False
+                        if cmd[0] != "stop":
+                            self._handle(cmd)
+                except queue.Empty:
+                    pass
+                if self._stopping or not self.engine.has_unfinished_requests():
+                    continue
+                outputs = self.engine.step()
+                now = time.monotonic()
+                if self.metrics:
+                    self.metrics.on_step(outputs, now)
+                for out in outputs:
+                    self._deliver(out)
+                if self.metrics and now - last_log >= self.log_interval_s:
+                    log.info(self.metrics.log_line())
+                    last_log = now
+        except BaseException as e:
+            self.error = e
+            log.exception("the engine loop stopped")
+        finally:
+            self._fail_all(self.error or EngineDeadError("the server is shutting down"))
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        if out.finished:
+            del self._streams[out.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (out.request_id, None))
+
+    def _fail_all(self, error: BaseException) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                cmd[6].loop.call_soon_threadsafe(_settle, cmd[7], EngineDeadError(str(error)))
+        for stream in self._streams.values():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(str(error)))
+        self._streams.clear()
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

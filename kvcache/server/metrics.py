@@ -1,0 +1,270 @@
+"""Prometheus metrics of the server: vLLM's names and units under a `kvcache:` prefix, plus KV cache health.
+
+Every metric carries the label `model_name`. vLLM's (same meaning, same units, same buckets):
+
+| metric | type | unit |
+|---|---|---|
+| `kvcache:num_requests_running` | gauge | requests with a sequence in the running batch |
+| `kvcache:num_requests_waiting` | gauge | requests queued (never admitted, or preempted) |
+| `kvcache:kv_cache_usage_perc` | gauge | fraction 0..1 of usable blocks held (idle cached ones count free) |
+| `kvcache:prefix_cache_queries_total` | counter | prompt tokens looked up in the prefix cache |
+| `kvcache:prefix_cache_hits_total` | counter | of those, tokens found cached |
+| `kvcache:num_preemptions_total` | counter | preemptions (a sequence's blocks freed, to be recomputed) |
+| `kvcache:prompt_tokens_total` | counter | prompt tokens of requests submitted |
+| `kvcache:generation_tokens_total` | counter | tokens sampled |
+| `kvcache:request_success_total{finished_reason}` | counter | requests finished: stop, length, abort |
+| `kvcache:time_to_first_token_seconds` | histogram | seconds from arrival to the first sampled token |
+| `kvcache:inter_token_latency_seconds` | histogram | seconds between a request's successive token steps |
+| `kvcache:e2e_request_latency_seconds` | histogram | seconds from arrival to finish |
+| `kvcache:request_queue_time_seconds` | histogram | seconds from arrival to first scheduled |
+
+KV cache health (ours):
+
+| metric | type | unit |
+|---|---|---|
+| `kvcache:kv_block_fragmentation` | gauge | fraction 0..1 of running sequences' block slots holding no token |
+| `kvcache:running_seq_len_mean`, `_max` | gauge | tokens (prompt + output) of running sequences |
+| `kvcache:prefix_cache_hit_rate` | gauge | fraction 0..1, hits / queries since start-up |
+| `kvcache:kv_cache_bytes_used`, `kvcache:kv_cache_bytes_total` | gauge | bytes of KV blocks held / of the whole pool |
+| `kvcache:kv_blocks{state}` | gauge | blocks; they sum to the pool (see below) |
+
+Block states: `used` is held by a sequence, `cached` is idle but holds a prefix a request can take
+back (an allocation may evict it), `free` is idle and empty.
+
+The engine thread calls `on_step` after each `engine.step()` and `on_abort` after a successful
+`engine.abort_request`; HTTP threads call `render`. Only the engine thread reads engine state.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:  # the engine pulls in torch; this module needs only its attributes
+    from kvcache.engine.llm_engine import LLMEngine, RequestOutput
+
+PREFIX = "kvcache:"
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so that dashboards and SLO rules carry over.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                             120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+BLOCK_STATES = ("free", "used", "cached")
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What ServerMetrics remembers of a request between its outputs."""
+
+    last_token_time: float  # time.monotonic() seconds of its last observed step
+    num_steps: int  # output tokens of its longest sample so far: one per step that gave it tokens
+
+
+class ServerMetrics:
+    """The server's Prometheus registry, fed from the engine thread (see the module docstring)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.content_type = CONTENT_TYPE_LATEST
+        info = engine.kv_cache_info()
+        self._bytes_total = int(info["total_bytes"])
+        self._num_blocks = int(info["num_blocks"])  # usable blocks the KV budget bought
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (new or preempted).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage: fraction of usable blocks held by "
+                                                     "sequences; 1 means 100 percent.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached.")
+        self.preemptions = counter("num_preemptions", "Preemptions: sequences whose blocks were freed to be "
+                                                      "recomputed later.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of submitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated (sampled) tokens.")
+        self._success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # present at 0 from the start, as vLLM does
+            self._success.labels(model_name, reason)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token, seconds.", TTFT_BUCKETS_S)
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's successive token steps, "
+                                                            "seconds.", ITL_BUCKETS_S)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, seconds.", REQUEST_LATENCY_BUCKETS_S)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled, seconds.",
+                                    REQUEST_LATENCY_BUCKETS_S)
+        self.fragmentation = gauge("kv_block_fragmentation", "Fraction of token slots in running sequences' "
+                                                             "blocks that hold no token yet (0..1).")
+        self.seq_len_mean = gauge("running_seq_len_mean", "Mean length of running sequences, tokens.")
+        self.seq_len_max = gauge("running_seq_len_max", "Longest running sequence, tokens.")
+        self.hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hits / queries since start-up (0..1).")
+        self.bytes_used = gauge("kv_cache_bytes_used", "Bytes of KV blocks held by sequences.")
+        self.bytes_total = gauge("kv_cache_bytes_total", "Bytes of the whole KV block pool.")
+        blocks = Gauge(PREFIX + "kv_blocks", "KV blocks by state: used (held by a sequence), cached (idle, "
+                                             "holding a reusable prefix), free (idle, empty).",
+                       ["model_name", "state"], registry=self.registry)
+        self.blocks = {s: blocks.labels(model_name, s) for s in BLOCK_STATES}
+        self.bytes_total.set(self._bytes_total)
+
+        self._lock = threading.Lock()  # on_step/on_abort (engine thread) against log_line (any thread)
+        self._requests: dict[str, _RequestState] = {}
+        # Engine totals already added to the counters: the counters mirror the engine's totals.
+        self._seen: dict[str, int] = {}
+        self._log_time = time.monotonic()
+        self._log_tokens = {"prompt": 0, "generation": 0, "hits": 0, "queries": 0}  # since the last log line
+        self._last_running = self._last_waiting = 0
+        self._last_usage = self._last_hit_rate = 0.0
+        with self._lock:
+            self._refresh()
+            self._log_tokens = dict.fromkeys(self._log_tokens, 0)  # the first line covers only what follows
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def on_step(self, outputs: list[RequestOutput], now: float) -> None:
+        """Record one `engine.step()`: its `outputs` and `now` (time.monotonic() seconds after it returned)."""
+        with self._lock:
+            self._refresh()
+            for out in outputs:
+                self._observe(out, now)
+            # Requests that ended without an output or on_abort (an engine error) must not pile up here.
+            live = self.engine.requests
+            for rid in [r for r in self._requests if r not in live]:
+                del self._requests[rid]
+
+    def on_abort(self, request_id: str) -> None:
+        """Record a request the server aborted; call it only when `engine.abort_request` returned True."""
+        with self._lock:
+            self._requests.pop(request_id, None)
+            self._success.labels(self.model_name, "abort").inc()
+            # No step may follow (it was the last request): bring running/blocks up to date now.
+            self._refresh()
+
+    def _observe(self, out: RequestOutput, now: float) -> None:
+        m = out.metrics
+        steps = max((len(c.token_ids) for c in out.outputs), default=0)
+        state = self._requests.get(out.request_id)
+        if state is None and steps and m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            state = self._requests[out.request_id] = _RequestState(m.first_token_time, 1)
+        if state is not None and steps > state.num_steps:
+            # Streaming requests arrive every step (one new step each). A request seen only when it
+            # finished covered several steps since: spread the time evenly, so the histogram's count
+            # and sum stay right (one observation per step, their total the decode time).
+            new = steps - state.num_steps
+            gap = (now - state.last_token_time) / new
+            for _ in range(new):
+                self.itl.observe(gap)
+            state.last_token_time, state.num_steps = now, steps
+        if out.finished:
+            self._requests.pop(out.request_id, None)
+            end = m.finished_time if m.finished_time is not None else now
+            self.e2e.observe(end - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            reason = (out.outputs[0].finish_reason if out.outputs else None) or "stop"
+            self._success.labels(self.model_name, reason).inc()
+
+    def _advance(self, key: str, counter: Counter, total: int) -> int:
+        """Add to `counter` what the engine total `total` grew by since last seen; returns that delta."""
+        delta = total - self._seen.get(key, 0)
+        if delta < 0:  # the engine's total restarted: all of it is new
+            delta = total
+        self._seen[key] = total
+        if delta:
+            counter.inc(delta)
+        return delta
+
+    def _refresh(self) -> None:
+        """Gauges from engine state, counters from the engine totals' growth."""
+        eng, kv = self.engine, self.engine.kv
+        sched = eng.scheduler
+        lt = self._log_tokens
+        lt["prompt"] += self._advance("prompt", self.prompt_tokens, eng.stats.prompt_tokens)
+        lt["generation"] += self._advance("generation", self.generation_tokens, eng.stats.generation_tokens)
+        lt["queries"] += self._advance("queries", self.prefix_queries, kv.stats.queries)
+        lt["hits"] += self._advance("hits", self.prefix_hits, kv.stats.hits)
+        self._advance("preemptions", self.preemptions, sched.num_preemptions)
+
+        running = {s.request_id for s in sched.running}
+        waiting = {s.request_id for s in sched.waiting} - running
+        self.running.set(len(running))
+        self.waiting.set(len(waiting))
+        usable = kv.pool.num_usable
+        used = usable - kv.num_free_blocks
+        usage = used / usable
+        self.kv_usage.set(usage)
+        self._last_running, self._last_waiting, self._last_usage = len(running), len(waiting), usage
+        cached = self._idle_cached_blocks()
+        self.blocks["used"].set(used)
+        self.blocks["cached"].set(cached)
+        self.blocks["free"].set(usable - used - cached)
+        # Pro rata of the pool as the planner sized it: plan is the one source of bytes per block.
+        self.bytes_used.set(used * self._bytes_total // self._num_blocks if self._num_blocks else 0)
+        self._last_hit_rate = kv.stats.hit_rate
+        self.hit_rate.set(self._last_hit_rate)
+
+        slots = filled = 0
+        lengths = []
+        for seq in sched.running:
+            n = len(kv.block_tables.get(seq.seq_id, ())) * kv.block_size
+            slots += n
+            filled += min(seq.num_computed_tokens, n)
+            lengths.append(seq.num_tokens)
+        self.fragmentation.set((slots - filled) / slots if slots else 0.0)
+        self.seq_len_mean.set(sum(lengths) / len(lengths) if lengths else 0.0)
+        self.seq_len_max.set(max(lengths, default=0))
+
+    def _idle_cached_blocks(self) -> int:
+        """Blocks no sequence holds that still hold a findable prefix (an allocation may evict them)."""
+        kv = self.engine.kv
+        if kv.radix is not None:
+            return kv.radix.evictable_blocks
+        pool = kv.pool
+        if not pool.num_cached:
+            return 0
+        # Hash mode: a cached block is idle unless some block table holds it.
+        held: set[int] = set()
+        for table in kv.block_tables.values():
+            held.update(table)
+        return pool.num_cached - sum(1 for b in held if pool.keys[b] is not None)
+
+    # ---- any thread -------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (serve it with `content_type`)."""
+        return generate_latest(self.registry)
+
+    def log_line(self, now: float | None = None) -> str:
+        """A vLLM-like status line over the time since the previous call (throughputs in tokens/s).
+
+        The prefix cache hit rate is over the lookups since the previous call; the lifetime rate
+        when there were none.
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            dt = now - self._log_time
+            lt = self._log_tokens
+            prompt_tps = lt["prompt"] / dt if dt > 0 else 0.0
+            gen_tps = lt["generation"] / dt if dt > 0 else 0.0
+            hit_rate = lt["hits"] / lt["queries"] if lt["queries"] else self._last_hit_rate
+            running, waiting, usage = self._last_running, self._last_waiting, self._last_usage
+            self._log_time = now
+            self._log_tokens = dict.fromkeys(lt, 0)
+        return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
+                f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: {usage * 100:.1f}%, "
+                f"Prefix cache hit rate: {hit_rate * 100:.1f}%")

@@ -1,0 +1,70 @@
+"""`kvcache serve`: load the model, start the engine loop, serve the API with uvicorn."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from kvcache.config import EngineConfig, parse_bytes
+
+log = logging.getLogger("kvcache.server")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("served_model", nargs="?", default=None, metavar="MODEL",
+                   help="Hugging Face directory or GGUF file (default: --model, else the SmolLM2-135M demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the file or "
+                   "directory name)")
+    p.add_argument("--api-key", default=os.environ.get("KVCACHE_API_KEY"),
+                   help="require Authorization: Bearer KEY on every endpoint but /health and /metrics "
+                        "(default: env KVCACHE_API_KEY)")
+    p.add_argument("--max-waiting-requests", type=int, default=512,
+                   help="beyond this many queued requests new ones get 503 with Retry-After")
+    p.add_argument("--max-request-body", default="4MiB", help="largest request body accepted")
+    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines")
+
+
+def model_name(path: str | None, given: str | None) -> str:
+    if given:
+        return given
+    if path is None:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
+
+
+def create(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
+           max_waiting_requests: int = 512, max_body_bytes: int = 4 * 2**20, log_interval_s: float = 10.0):
+    """Build the engine, its loop (started) and the app; returns (app, loop)."""
+    from kvcache.engine.llm_engine import LLMEngine
+    from kvcache.server.app import build_app
+    from kvcache.server.engine_loop import EngineLoop
+    from kvcache.server.metrics import ServerMetrics
+
+    if max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {max_waiting_requests}")
+    engine = LLMEngine(config)
+    name = model_name(config.model, served_model_name)
+    metrics = ServerMetrics(engine, name)
+    loop = EngineLoop(engine, metrics, log_interval_s)
+    loop.start()
+    return build_app(loop, name, metrics, api_key, max_waiting_requests, max_body_bytes), loop
+
+
+def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    import uvicorn
+
+    if args.served_model:
+        config.model = args.served_model
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    app, loop = create(config, args.served_model_name, args.api_key or None, args.max_waiting_requests,
+                       parse_bytes(args.max_request_body), args.log_interval)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", args.host)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        loop.stop()
+    return 0
