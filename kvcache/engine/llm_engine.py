@@ -172,7 +172,7 @@ class LLMEngine:
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters; "
                              f"got {type(cache_salt).__name__} of length {len(cache_salt) if isinstance(cache_salt, str) else '-'}")
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            text, ids = prompt, self.tokenize(prompt, add_special_tokens)
         else:
             text, ids = None, list(prompt)
             vocab = self.model.config.vocab_size
@@ -198,6 +198,13 @@ class LLMEngine:
         self.requests[request_id] = req
         self.stats.prompt_tokens += n_prompt
         self.scheduler.add(req.seqs[0])
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; ValueError if the tokenizer cannot encode it (a lone surrogate, for one)."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # tokenizers raise TypeError/exceptions of their own on bad text
+            raise ValueError(f"the prompt cannot be tokenized: {type(e).__name__}: {e}") from None
 
     def _new_seq(self, req: _Request, index: int, max_tokens: int) -> Sequence:
         gen = None
@@ -299,6 +306,10 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        searched = 0
+        if p.stop:
+            searched = len(seq.text)  # the text before this token has been searched already
+            seq.text = self._detokenize(seq)
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop"
@@ -306,21 +317,23 @@ class LLMEngine:
                 seq.stop_reason = token
                 return "stop"
             if p.stop:
-                seq.text = self._detokenize(seq)
-                # Search only where a new match can start: the tail the new token touched.
-                tail = max(len(s) for s in p.stop) + 16
-                for s in p.stop:
-                    at = seq.text.find(s, max(0, len(seq.text) - tail))
-                    if at >= 0:
-                        seq.text = seq.text[:at]
-                        seq.stop_reason = s
-                        return "stop"
+                # A new match ends in the new text, so it starts at most len(stop) - 1 characters before it.
+                start = max(0, min(searched, len(seq.text)) - max(len(s) for s in p.stop) + 1)
+                found = [(at, s) for s in p.stop if (at := seq.text.find(s, start)) >= 0]
+                if found:
+                    at, s = min(found)
+                    seq.text = seq.text[:at]
+                    seq.stop_reason = s
+                    return "stop"
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def _detokenize(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        # No clean-up of tokenization spaces: it rewrites earlier text as tokens arrive, and streamed text
+        # must be a prefix of the final text (vLLM's incremental detokenizer does not clean up either).
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def _count_finished(self, reason: str) -> None:
         self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1

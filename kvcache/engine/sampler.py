@@ -161,6 +161,7 @@ def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.T
             done = torch.ones_like(k_inside)
         # Exclusive cumsum < threshold keeps the smallest prefix reaching it, and at least the first token.
         keep = (cum - vals < (p * total)[:, None]) | (p >= 1)[:, None]
+        keep[:, 0] = True  # even when p x total underflows to 0 (top_p=1e-46 in float32)
         vals.mul_(keep)
         vals.masked_fill_(vals < (min_p[pending] * vals[:, 0])[:, None], 0)
         if bool(done.all()):

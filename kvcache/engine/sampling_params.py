@@ -8,6 +8,9 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE = 1e-5
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64  # each is searched for after every token
+# Sample i of a request is seeded with seed + i, which must fit torch's 64-bit generator seed.
+MIN_SEED, MAX_SEED = -2**63, 2**64 - 1 - MAX_N
 
 
 @dataclass
@@ -72,6 +75,7 @@ class SamplingParams:
         _check("repetition_penalty", self.repetition_penalty, 0 < self.repetition_penalty <= 2, "in (0, 2]")
         if self.seed is not None:
             self.seed = _int("seed", self.seed)
+            _check("seed", self.seed, MIN_SEED <= self.seed <= MAX_SEED, f"in [{MIN_SEED}, {MAX_SEED}]")
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
@@ -127,6 +131,8 @@ def _stop_strings(stop: object) -> list[str]:
         stop = [stop]
     if not isinstance(stop, (list, tuple)):
         raise TypeError(f"stop must be a str, a list of str or None, got {type(stop).__name__} {stop!r}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
     for s in stop:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop entries must be non-empty strings, got {s!r}")

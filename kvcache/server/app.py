@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kvcache.engine.llm_engine import RequestOutput
+from kvcache.engine.sampling_params import SamplingParams
 from kvcache.server.engine_loop import EngineDeadError, EngineLoop
 from kvcache.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, validation_error)
@@ -55,13 +56,15 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
         return _error(APIError(405, f"method {request.method} not allowed on {request.url.path}"))
 
     async def parse(request: Request, model_cls):
-        body = await request.body()
-        if len(body) > max_body_bytes:
-            raise APIError(413, f"request body is over the {max_body_bytes:,}-byte limit", code="body_too_large")
+        body = bytearray()
+        async for part in request.stream():  # chunked bodies have no Content-Length: stop at the limit
+            body += part
+            if len(body) > max_body_bytes:
+                raise APIError(413, f"request body is over the {max_body_bytes:,}-byte limit", code="body_too_large")
         try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            raise APIError(400, "the request body is not valid JSON (or nests too deeply)", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
         try:
@@ -73,13 +76,21 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
                            param="model", code="model_not_found")
         return req
 
-    def admit() -> None:
+    def admit(n: int) -> None:
+        """Refuse `n` more requests if the engine is down or the queue would pass its limit."""
         if not loop.alive:
             raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
-        if loop.num_waiting >= max_waiting_requests:
-            raise APIError(503, f"{loop.num_waiting} requests are already waiting (limit {max_waiting_requests}); "
-                                "retry later", type="server_overloaded", code="too_many_waiting",
-                           headers={"Retry-After": "1"})
+        if loop.num_waiting + n > max_waiting_requests:
+            raise APIError(503, f"{loop.num_waiting} requests are waiting and this one adds {n} (limit "
+                                f"{max_waiting_requests}); retry later", type="server_overloaded",
+                           code="too_many_waiting", headers={"Retry-After": "1"})
+
+    async def encode(text: str, special: bool) -> list[int]:
+        """Tokenize in a worker thread: a long prompt must not stall the event loop or the engine thread."""
+        try:
+            return await asyncio.to_thread(engine.tokenize, text, special)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
 
     # ---- info endpoints ----------------------------------------------------------------------------
 
@@ -104,9 +115,9 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = tokenizer.encode(_chat_prompt(tokenizer, req.messages, True), add_special_tokens=False)
+            ids = await encode(_chat_prompt(tokenizer, req.messages, True), False)
         else:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await encode(req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -129,7 +140,9 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
                 raise APIError(400, f"{name} is not supported by this server", param=name)
         params = _params(req, 16 if req.max_tokens is None else req.max_tokens)
         prompts = req.prompts()
-        return await _generate(request, req, "cmpl", "text_completion", prompts, params, True)
+        admit(len(prompts))  # refuse early, before tokenizing; _generate checks again before queueing
+        prompts = [await encode(p, True) if isinstance(p, str) else p for p in prompts]
+        return await _generate(request, req, "cmpl", "text_completion", prompts, params)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -138,25 +151,30 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
             if bad:
                 raise APIError(400, f"{name} is not supported by this server", param=name)
         params = _params(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
-        prompt = _chat_prompt(tokenizer, req.messages, req.add_generation_prompt)
-        return await _generate(request, req, "chatcmpl", "chat.completion", [prompt], params, False)
+        admit(1)
+        prompt = await encode(_chat_prompt(tokenizer, req.messages, req.add_generation_prompt), False)
+        return await _generate(request, req, "chatcmpl", "chat.completion", [prompt], params)
 
-    async def _generate(request: Request, req, prefix: str, kind: str, prompts: list, params, special: bool):
-        admit()
+    async def _generate(request: Request, req, prefix: str, kind: str, prompts: list[list[int]], params):
         rid = f"{prefix}-{uuid.uuid4().hex}"
         out: asyncio.Queue = asyncio.Queue()
         ids = [f"{rid}-{i}" for i in range(len(prompts))]
-        submitted = []
+        # No await between the queue-limit check and queueing every prompt: a burst cannot overshoot it.
+        admit(len(prompts))
         try:
-            for sub_id, p in zip(ids, prompts):
-                await loop.submit(sub_id, p, params, special, req.cache_salt, out)
-                submitted.append(sub_id)
-        except ValueError as e:
-            for sub_id in submitted:
-                loop.abort(sub_id)
-            raise APIError(400, str(e), param=_param_of(str(e))) from None
+            accepted = [loop.enqueue(sub_id, p, params, True, req.cache_salt, out)[1] for sub_id, p in zip(ids, prompts)]
         except EngineDeadError as e:
             raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+        errors = [r for r in await asyncio.gather(*accepted, return_exceptions=True) if r is not None]
+        if errors:  # one bad prompt of several: none of them runs
+            for sub_id in ids:
+                loop.abort(sub_id)
+            e = errors[0]
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), type="server_error", code="engine_dead")
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), param=_param_of(str(e)))
+            raise e
         created = int(time.time())
         if req.stream:
             body = _stream(request, loop, out, ids, rid, kind, created, model_name, params, req.include_usage)
@@ -195,14 +213,17 @@ class Guard:
 def _params(req, max_tokens):
     try:
         return req.sampling_params(max_tokens)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from None
 
 
+_FIELDS = set(SamplingParams.__dataclass_fields__) | {"cache_salt", "prompt"}
+
+
 def _param_of(message: str) -> str | None:
-    """The request field an engine error names ('temperature must be ...' -> 'temperature')."""
+    """The request field an engine error names ('temperature must be ...' -> 'temperature'), if any."""
     word = message.split(" ", 1)[0]
-    return word if word.isidentifier() and word.islower() else None
+    return word if word in _FIELDS else None
 
 
 def _chat_prompt(tokenizer, messages, add_generation_prompt: bool) -> str:

@@ -41,6 +41,8 @@ class EngineLoop:
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="kvcache-engine", daemon=True)
         self._stopping = False
+        self._closing = threading.Lock()
+        self._closed = False  # set, under _closing, when the thread has failed every pending command
         self.error: BaseException | None = None
         # Each counter has one writer thread, so no lock: pending = submitted - taken.
         self._submitted = 0  # by asyncio handlers
@@ -71,21 +73,28 @@ class EngineLoop:
 
     # ---- called from asyncio handlers ----------------------------------------------------------------
 
-    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     add_special_tokens: bool = True, cache_salt: str | None = None,
-                     out: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Queue a request; returns the asyncio queue (`out`, or a new one) its outputs arrive on: each
-        RequestOutput, then (request_id, None) when it is done. Raises the engine's ValueError (bad prompt
-        or parameters) or EngineDeadError."""
-        if not self.alive:
-            raise EngineDeadError("the engine loop is not running")
+    def enqueue(self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True,
+                cache_salt: str | None = None, out: asyncio.Queue | None = None) -> tuple[asyncio.Queue, asyncio.Future]:
+        """Queue a request without waiting (call it on the event loop): returns its output queue (`out`, or a new
+        one: each RequestOutput, then (request_id, None) when it is done) and a future that settles once the
+        engine has taken it, with the engine's ValueError if the prompt or parameters are bad."""
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         stream = _Stream(loop, out if out is not None else asyncio.Queue())
-        self._submitted += 1
-        self._commands.put(("add", request_id, prompt, params, add_special_tokens, cache_salt, stream, accepted))
-        await accepted  # raises what add_request raised
-        return stream.queue
+        with self._closing:  # never queue a command after the dying thread has drained the queue
+            if self._closed or not self.alive:
+                raise EngineDeadError("the engine loop is not running")
+            self._submitted += 1
+            self._commands.put(("add", request_id, prompt, params, add_special_tokens, cache_salt, stream, accepted))
+        return stream.queue, accepted
+
+    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     add_special_tokens: bool = True, cache_salt: str | None = None,
+                     out: asyncio.Queue | None = None) -> asyncio.Queue:
+        """`enqueue`, then wait until the engine has taken the request; raises what add_request raised."""
+        queue_, accepted = self.enqueue(request_id, prompt, params, add_special_tokens, cache_salt, out)
+        await accepted
+        return queue_
 
     def abort(self, request_id: str) -> None:
         """Abort a request (the client went away); its blocks are freed before the next step."""
@@ -153,6 +162,8 @@ class EngineLoop:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (out.request_id, None))
 
     def _fail_all(self, error: BaseException) -> None:
+        with self._closing:
+            self._closed = True
         while True:
             try:
                 cmd = self._commands.get_nowait()
