@@ -1,57 +1,12 @@
-"""Shared fixtures: tiny random-weight checkpoints built with transformers' own config classes,
-and the real demo model with its transformers oracle (loaded once per run)."""
+"""Shared fixtures: tiny random-weight checkpoints (built by tiny_models.py), and the real demo model
+with its transformers oracle (loaded once per run)."""
 from __future__ import annotations
 
 import os
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-# name -> (config class, overrides). Together they cover GQA, MQA, MHA, biases, q/k norm,
-# sliding window, tied embeddings, explicit head_dim and Llama 3 RoPE scaling.
-TINY_ARCHS = {
-    "llama": (LlamaConfig, {}),
-    "llama-mqa-tied": (LlamaConfig, {"num_key_value_heads": 1, "tie_word_embeddings": True}),
-    "llama3-rope": (LlamaConfig, {"num_key_value_heads": 4, "rope_theta": 500000.0, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}}),
-    "mistral-swa": (MistralConfig, {"sliding_window": 24}),
-    "qwen2": (Qwen2Config, {}),
-    "qwen3": (Qwen3Config, {"head_dim": 32}),
-}
-
-
-def _write_tokenizer(directory: str, vocab_size: int) -> None:
-    """A word-level tokenizer over the tiny vocabulary, so text prompts work too."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for i in range(3, vocab_size):
-        vocab[f"w{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    from tokenizers import decoders
-    tok.decoder = decoders.WordPiece(prefix="##")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}w3{% endif %}")
-    fast.save_pretrained(directory)
-
-
-def make_tiny_model(directory: str, arch: str, seed: int = 0) -> str:
-    """Save a random-weight `arch` model (safetensors + config.json + tokenizer) in `directory`."""
-    cls, overrides = TINY_ARCHS[arch]
-    cfg = cls(**{**COMMON, **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
-    model.save_pretrained(directory)
-    _write_tokenizer(directory, cfg.vocab_size)
-    return directory
+from tiny_models import TINY_ARCHS, hf_model, make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -63,25 +18,6 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_dirs) -> str:
     return tiny_model_dirs["llama"]
-
-
-def hf_model(path: str):
-    """transformers' model for a tiny directory or a GGUF file, fp32, eval mode."""
-    if os.path.isfile(path):
-        d, name = os.path.split(path)
-        return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation of one unpadded prompt: exactly `n` tokens, EOS disabled."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=n,
-                             max_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    tokens = out[0, len(prompt):].tolist()
-    assert len(tokens) == n
-    return tokens
 
 
 @pytest.fixture(scope="session")

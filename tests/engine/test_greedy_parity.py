@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from conftest import hf_greedy, hf_model
+from tiny_models import hf_greedy, hf_model
 from kvcache import LLM, SamplingParams
 from kvcache.memory.kv_cache_manager import blocks_for
 

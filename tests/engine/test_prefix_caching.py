@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import hf_greedy, hf_model
+from tiny_models import hf_greedy, hf_model
 from kvcache import LLM, SamplingParams
 from kvcache.plan.kv_bytes import kv_bytes_per_token
 from kvcache.plan.model_source import load_model_shape

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY_ARCHS, hf_model
+from tiny_models import TINY_ARCHS, hf_model
 from kvcache.attention.metadata import SeqChunk, build_batch
 from kvcache.models.gguf_file import read_gguf_tensors
 from kvcache.models.llama import head_dim_of

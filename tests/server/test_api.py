@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import API_KEY, MODEL, start_server
+from live_server import API_KEY, MODEL, start_server
 from kvcache import LLM, SamplingParams
 
 PROMPT = "w5 w6 w7 w8 w9"

@@ -8,7 +8,7 @@ import json
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import API_KEY, MODEL, start_server
+from live_server import API_KEY, MODEL, start_server
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import API_KEY, MODEL, start_server
+from live_server import API_KEY, MODEL, start_server
 from kvcache.engine.sampling_params import MAX_STOP_STRINGS
 
 H = {"Authorization": f"Bearer {API_KEY}"}
