@@ -111,15 +111,17 @@ class Scheduler:
         lpm = (self.config.scheduling_policy == "lpm" and self.kv.prefix_caching is not None
                and len(self.waiting) <= LPM_MAX_QUEUE)
         order = list(self.waiting)
-        prefixes = {s.seq_id: self.kv.find_prefix(s.seq_id, s.token_ids, s.extra_key) for s in order} if lpm else {}
-        if lpm:
-            order.sort(key=lambda s: -len(prefixes[s.seq_id]))  # stable: FCFS among equals
+        if lpm:  # stable: FCFS among equals
+            hits = {s.seq_id: len(self.kv.find_prefix(s.seq_id, s.token_ids, s.extra_key)) for s in order}
+            order.sort(key=lambda s: -hits[s.seq_id])
         computing: set[int] = set()  # lpm: hashes of the first uncached block of each prompt admitted now
         bs = self.kv.block_size
         for seq in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            prefix = prefixes[seq.seq_id] if lpm else self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key)
+            # Looked up again right before allocating: an admission earlier in this loop may have evicted
+            # blocks of the prefix found while sorting.
+            prefix = self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key)
             cached = len(prefix) * bs
             remaining = seq.num_tokens - cached
             n = min(remaining, budget)

@@ -208,11 +208,11 @@ def _check_blocks(eng) -> None:
     assert pool.ref_counts[0] == 0 and 0 not in free
 
 
-@pytest.mark.parametrize("mode", ["hash", "radix"])
+@pytest.mark.parametrize("mode, policy", [("hash", "fcfs"), ("radix", "fcfs"), ("hash", "lpm"), ("radix", "lpm")])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_ops)
-def test_random_interleavings_keep_blocks_accounted(tiny_llama, mode, ops):
-    llm = _small_engine(tiny_llama, mode)
+def test_random_interleavings_keep_blocks_accounted(tiny_llama, mode, policy, ops):
+    llm = _small_engine(tiny_llama, mode, policy)
     eng = llm.engine
     prefixes = [list(range(20 + 40 * g, 60 + 40 * g)) for g in range(4)]  # 40 tokens each
     ids = []
@@ -242,12 +242,45 @@ def test_random_interleavings_keep_blocks_accounted(tiny_llama, mode, ops):
 _SMALL = {}
 
 
-def _small_engine(path: str, mode: str) -> LLM:
-    """One engine per mode for all examples (loading is the slow part); 12 blocks of 8 tokens force preemption."""
-    if mode not in _SMALL:
+def _small_engine(path: str, mode: str, policy: str) -> LLM:
+    """One engine per mode and policy for all examples (loading is the slow part); 12 blocks of 8 tokens force
+    preemption."""
+    if (mode, policy) not in _SMALL:
         per_token = 2 * 2 * 2 * 16 * 4
-        _SMALL[mode] = LLM(path, kv_cache_memory=12 * 8 * per_token, block_size=8, max_num_batched_tokens=24,
-                           max_model_len=96, **_mode(mode))
-    llm = _SMALL[mode]
+        _SMALL[mode, policy] = LLM(path, kv_cache_memory=12 * 8 * per_token, block_size=8, max_num_batched_tokens=24,
+                                   max_model_len=96, scheduling_policy=policy, **_mode(mode))
+    llm = _SMALL[mode, policy]
     llm.engine.check_no_leaks()
     return llm
+
+
+@pytest.mark.parametrize("mode", ["hash", "radix"])
+def test_lpm_looks_up_again_after_an_earlier_admission_evicted_blocks(mode):
+    """lpm sorts by the prefixes it finds first; admitting the first request can evict blocks of the second's
+    prefix, which must then be looked up afresh (taking the stale blocks crashed the engine or shared
+    another request's blocks)."""
+    from kvcache.config import EngineConfig
+    from kvcache.engine.scheduler import Scheduler
+    from kvcache.engine.sequence import Sequence
+    from kvcache.memory.kv_cache_manager import KVCacheManager
+
+    kv = KVCacheManager(8, 4, mode)  # 7 usable blocks of 4 tokens
+    sched = Scheduler(EngineConfig(block_size=4, scheduling_policy="lpm", max_num_batched_tokens=512), kv)
+    sched.watermark = 0
+    p_a, p_b, p_c = list(range(100, 108)), list(range(200, 208)), list(range(500, 508))
+    for seq_id, p in ((91, p_b), (92, p_c), (90, p_a)):  # three cached 2-block prefixes, b's the oldest
+        assert kv.allocate(seq_id, len(p) + 1)
+        kv.cache_blocks(seq_id, p + [1], len(p) + 1)
+        kv.free(seq_id)
+    params = SamplingParams(max_tokens=1)
+    a = Sequence(1, "a", 0, p_a + [300], 9, params, 1)
+    b = Sequence(2, "b", 0, p_b + [400], 9, params, 1)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()  # a's new block evicts the oldest idle cached block: one of b's
+    assert {s.request_id for s, _ in out.chunks} == {"a", "b"}
+    table_a, table_b = kv.block_tables[1], kv.block_tables[2]
+    assert not set(table_a) & set(table_b)
+    assert b.num_computed_tokens == 4 * len(kv.find_prefix(99, p_b + [400]))  # what is left of b's prefix
+    if mode == "hash":  # a's allocation evicted b's cached blocks (radix: the lookups while sorting touched b's path)
+        assert b.num_computed_tokens < 8
