@@ -74,6 +74,14 @@ class KVCacheManager:
         return self.radix.num_blocks if self.radix else self.pool.num_cached
 
     @property
+    def num_idle_cached_blocks(self) -> int:
+        """Cached blocks no sequence holds: reusable by a prefix hit until an allocation evicts them."""
+        if self.radix:
+            return self.radix.evictable_blocks
+        held = {b for table in self.block_tables.values() for b in table}
+        return self.pool.num_cached - sum(1 for b in held if self.pool.keys[b] is not None)
+
+    @property
     def num_evictions(self) -> int:
         return self.radix.num_evictions if self.radix else self.pool.num_evictions
 

@@ -209,7 +209,7 @@ class ServerMetrics:
         usage = used / usable
         self.kv_usage.set(usage)
         self._last_running, self._last_waiting, self._last_usage = len(running), len(waiting), usage
-        cached = self._idle_cached_blocks()
+        cached = kv.num_idle_cached_blocks
         self.blocks["used"].set(used)
         self.blocks["cached"].set(cached)
         self.blocks["free"].set(usable - used - cached)
@@ -228,20 +228,6 @@ class ServerMetrics:
         self.fragmentation.set((slots - filled) / slots if slots else 0.0)
         self.seq_len_mean.set(sum(lengths) / len(lengths) if lengths else 0.0)
         self.seq_len_max.set(max(lengths, default=0))
-
-    def _idle_cached_blocks(self) -> int:
-        """Blocks no sequence holds that still hold a findable prefix (an allocation may evict them)."""
-        kv = self.engine.kv
-        if kv.radix is not None:
-            return kv.radix.evictable_blocks
-        pool = kv.pool
-        if not pool.num_cached:
-            return 0
-        # Hash mode: a cached block is idle unless some block table holds it.
-        held: set[int] = set()
-        for table in kv.block_tables.values():
-            held.update(table)
-        return pool.num_cached - sum(1 for b in held if pool.keys[b] is not None)
 
     # ---- any thread -------------------------------------------------------------------------
 

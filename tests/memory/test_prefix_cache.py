@@ -704,3 +704,15 @@ def test_hash_collision_never_hands_out_another_prompts_blocks(monkeypatch):
     assert kv.find_prefix(3, z) == kv.block_tables[1][:1]  # x's first block, and nothing computed after y's
     assert kv.find_prefix(4, y) == []
 
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_idle_cached_blocks_are_the_cached_ones_nobody_holds(mode):
+    kv = KVCacheManager(20, BS, mode)
+    t = list(range(100, 114))  # 3 full blocks + 2
+    run_and_cache(kv, 1, t)
+    assert kv.num_cached_blocks == 3 and kv.num_idle_cached_blocks == 0  # held by sequence 1
+    kv.free(1)
+    assert kv.num_idle_cached_blocks == 3
+    run_and_cache(kv, 2, t[:9])  # takes 2 of them back
+    assert kv.num_idle_cached_blocks == 1
