@@ -13,7 +13,7 @@ from kvcache.config import EngineConfig
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, one per EngineConfig field, with vLLM's names."""
     p.add_argument("--model", default=None, help="Hugging Face model directory or GGUF file (default: SmolLM2-135M demo)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16; 64 for int4/int2)")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
                    help="fcfs, or lpm: longest cached prefix first (FCFS above 128 waiting)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache storage: auto (the compute dtype), float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, "
+                        "int8, int4, int2 (fp8/int8 with a scale per token and head; int4/int2 KIVI)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import psutil
 
 from kvcache.plan.capacity import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
-from kvcache.plan.kv_bytes import DEFAULT_BLOCK_SIZE
+from kvcache.plan.kv_bytes import DEFAULT_BLOCK_SIZE, KV_DTYPES, kv_dtype
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
@@ -42,7 +42,7 @@ class EngineConfig:
     """Everything an engine is started with. Sizes in tokens unless named otherwise."""
 
     model: str | None = None  # HF directory or GGUF file; None = the demo model
-    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV block
+    block_size: int | None = None  # tokens per KV block; None = 16 (64 for int4/int2: one KIVI key group)
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # sequences in one step at most
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output tokens; None = the model's context length
@@ -53,16 +53,30 @@ class EngineConfig:
     prefix_caching_algo: str = "hash"  # hash: vLLM's hash-chained blocks; radix: SGLang's radix tree
     scheduling_policy: str = "fcfs"  # fcfs, or lpm: longest cached prefix first
     dtype: str = "auto"  # compute dtype: auto = float32 on CPU, bfloat16 on CUDA
+    kv_cache_dtype: str = "auto"  # KV storage: auto (= compute dtype), float32, float16, bfloat16, fp8_e4m3,
+    # fp8_e5m2, int8, int4, int2 (aliases fp32, fp16, bf16, fp8)
     device: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto":
+            try:
+                self.kv_cache_dtype = kv_dtype(self.kv_cache_dtype).name
+            except ValueError:
+                raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, "
+                                 f"{', '.join(KV_DTYPES)} (aliases fp32, fp16, bf16, fp8)") from None
+        group = KV_DTYPES[self.kv_cache_dtype].group if self.kv_cache_dtype != "auto" else 0
+        if self.block_size is None:
+            self.block_size = max(DEFAULT_BLOCK_SIZE, group)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if group and self.block_size % group:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} quantizes keys in groups of {group} tokens, each "
+                             f"inside one block: block_size must be a multiple of {group}, got {self.block_size}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if self.kv_cache_memory is not None:

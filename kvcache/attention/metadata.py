@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.store.quantized_store import KiviPlan
+
 # A decode group pads its sequences to the longest of them; start a new group when a
 # sequence is shorter than this fraction of the group's longest, so padding stays small.
 _GROUP_FILL = 0.75
@@ -23,6 +25,7 @@ class SeqChunk:
     start: int  # tokens already in the cache before this step
     block_table: list[int]
     needs_logits: bool = True
+    private_blocks: list[int] = field(default_factory=list)  # KIVI: blocks holding the key residual
 
 
 @dataclass(slots=True)
@@ -33,6 +36,8 @@ class DecodeGroup:
     block_table: torch.Tensor  # [B, num_blocks] padded with the null block
     context_lens: torch.Tensor  # [B] tokens each sequence attends to (the new one included)
     masks: dict[int | None, torch.Tensor]  # sliding window -> [B, 1, 1, num_blocks * block_size] bool
+    # KIVI: (row in group, position, src row) of the full-precision keys that replace dequantized ones
+    overlay: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -48,6 +53,10 @@ class PrefillSpan:
     context_len: int  # cached tokens after this step, the chunk included
     block_ids: torch.Tensor | None  # None: the chunk is the whole context, attend to the fresh K/V
     masks: dict[int | None, torch.Tensor | None]  # None mask means plain causal
+    # KIVI: src rows of the full-precision keys of positions [full_start, context_len), attended after the
+    # dequantized blocks (masks then cover num_blocks * block_size + context_len - full_start keys)
+    full_src: torch.Tensor | None = None
+    full_start: int = 0
 
 
 @dataclass(slots=True)
@@ -59,6 +68,7 @@ class ForwardBatch:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_kernel: bool = False  # decode rows go through the C++ CPU kernel (no groups, no masks)
+    kivi: KiviPlan | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,20 +82,86 @@ def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> 
     return ok
 
 
+@dataclass(frozen=True, slots=True)
+class KiviLayout:
+    """What build_batch needs to know of a KIVI store: key group (tokens), fp16 elements per token's keys
+    (kv_heads x head_dim) and per private-block row."""
+
+    group: int
+    token_elems: int
+    row_elems: int
+
+
+class _KiviBuilder:
+    """Collects a step's KIVI key plan, chunk by chunk (see store/quantized_store.py for the scheme)."""
+
+    def __init__(self, layout: KiviLayout, block_size: int, num_rows: int) -> None:
+        self.l, self.bs, self.num_rows = layout, block_size, num_rows
+        self.resid_read: list[torch.Tensor] = []
+        self.num_read = 0
+        self.group_src: list[int] = []
+        self.group_slots: list[tuple[int, int]] = []
+        self.scales: list[tuple[int, int]] = []
+        self.resid_rows: list[int] = []
+        self.resid_write: list[torch.Tensor] = []
+
+    def _elems(self, private: list[int], slots: range) -> torch.Tensor:
+        """fp16 element indices of residual token slots `slots` in a sequence's private blocks."""
+        e = self.l.token_elems
+        flat = torch.arange(slots.start * e, slots.stop * e)
+        rows = torch.tensor(private)[flat // self.l.row_elems]
+        return rows * self.l.row_elems + flat % self.l.row_elems
+
+    def add(self, c: SeqChunk, row: int) -> list[int]:
+        """Plan chunk `c` (batch rows from `row`); returns the src rows of positions [full_start, end)."""
+        g, s, end = self.l.group, c.start, c.start + len(c.token_ids)
+        full_start = s - s % g
+        src = []
+        if full_start < s:  # the current group's earlier keys wait in the residual
+            if len(c.private_blocks) * self.l.row_elems < (g - 1) * self.l.token_elems:
+                raise ValueError("a KIVI sequence needs private blocks for its key residual")
+            self.resid_read.append(self._elems(c.private_blocks, range(0, s - full_start)))
+            src = list(range(self.num_rows + self.num_read, self.num_rows + self.num_read + s - full_start))
+            self.num_read += s - full_start
+        src += range(row, row + end - s)
+        for g0 in range(full_start, end - end % g, g):  # groups this chunk completes
+            self.group_src += src[g0 - full_start:g0 - full_start + g]
+            self.group_slots += [(c.block_table[i // self.bs], i % self.bs) for i in range(g0, g0 + g)]
+            self.scales.append((c.block_table[g0 // self.bs], g0 % self.bs // g))
+        last = end - end % g
+        if last < end:  # the last group is not complete: its new keys go to the residual
+            first = max(last, s)
+            self.resid_rows += range(row + first - s, row + end - s)
+            self.resid_write.append(self._elems(c.private_blocks, range(first - last, end - last)))
+        return src[:end - full_start]
+
+    def plan(self, device: str | torch.device) -> KiviPlan:
+        long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        cat = lambda ts: torch.cat(ts).to(device) if ts else long([])  # noqa: E731
+        return KiviPlan(cat(self.resid_read), long(self.group_src), long([b for b, _ in self.group_slots]),
+                        long([o for _, o in self.group_slots]), long([b for b, _ in self.scales]),
+                        long([i for _, i in self.scales]), long(self.resid_rows), cat(self.resid_write))
+
+
 def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | None, ...] = (None,),
-                device: str | torch.device = "cpu", decode_kernel: bool = False) -> ForwardBatch:
+                device: str | torch.device = "cpu", decode_kernel: bool = False, read_cache: bool = False,
+                kivi: KiviLayout | None = None) -> ForwardBatch:
     """Flatten `chunks` into a ForwardBatch.
 
     Chunks of one token on a non-empty cache are decode rows. For the padded torch path they
     are split into groups of similar length, each with padding masks; with `decode_kernel`
     (a kernel that walks block tables) they form one group and need no masks.
+    With `read_cache` (a lossy store) every prefill chunk attends to what the cache holds, not to its
+    fresh K/V, so that a token's output does not depend on how its prompt was chunked.
+    With `kivi` the batch also carries the KIVI key plan and the full-precision key positions.
     """
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
     logit_rows: list[int] = []
-    decodes: list[tuple[int, int, list[int]]] = []  # (row, context_len, table)
+    decodes: list[tuple[int, int, list[int], list[int]]] = []  # (row, context_len, table, full src rows)
     prefills: list[PrefillSpan] = []
+    kb = _KiviBuilder(kivi, block_size, sum(len(c.token_ids) for c in chunks)) if kivi else None
     for c in chunks:
         row, n = len(ids), len(c.token_ids)
         ids.extend(c.token_ids)
@@ -95,18 +171,28 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         if c.needs_logits:
             logit_rows.append(row + n - 1)
         ctx = c.start + n
+        full = kb.add(c, row) if kb else []
         if n == 1 and c.start > 0:
-            decodes.append((row, ctx, c.block_table))
+            decodes.append((row, ctx, c.block_table, full))
             continue
         nb = -(-ctx // block_size)
+        from_cache = c.start > 0 or read_cache
         q_pos = torch.arange(c.start, ctx, device=device)[:, None]
-        k_pos = torch.arange(ctx if c.start == 0 else nb * block_size, device=device)[None, :]
+        k_pos = torch.arange(nb * block_size if from_cache else ctx, device=device)[None, :]
+        full_start = ctx - len(full)
         pmasks: dict[int | None, torch.Tensor | None] = {}
         for w in windows:
-            plain = c.start == 0 and (w is None or w >= ctx)
-            pmasks[w] = None if plain else _window_ok(q_pos, k_pos, w)
-        block_ids = None if c.start == 0 else torch.tensor(c.block_table[:nb], device=device)
-        prefills.append(PrefillSpan(row, n, ctx, block_ids, pmasks))
+            if kb:  # dequantized keys of earlier groups, then full-precision keys of the query's own group
+                g = kivi.group
+                f_pos = torch.arange(full_start, ctx, device=device)[None, :]
+                pmasks[w] = torch.cat([_window_ok(q_pos, k_pos, w) & (k_pos // g < q_pos // g),
+                                       _window_ok(q_pos, f_pos, w) & (f_pos // g == q_pos // g)], dim=1)
+            else:
+                plain = not from_cache and (w is None or w >= ctx)
+                pmasks[w] = None if plain else _window_ok(q_pos, k_pos, w)
+        block_ids = torch.tensor(c.block_table[:nb], device=device) if from_cache else None
+        prefills.append(PrefillSpan(row, n, ctx, block_ids, pmasks,
+                                    torch.tensor(full, device=device) if kb else None, full_start))
     decodes.sort(key=lambda d: -d[1])
     groups: list[DecodeGroup] = []
     i = 0
@@ -117,13 +203,19 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
             j += 1
         members = decodes[i:j]
         nb = -(-longest // block_size)
-        table = [t[:nb] + [0] * (nb - len(t[:nb])) for _, _, t in members]
+        table = [t[:nb] + [0] * (nb - len(t[:nb])) for _, _, t, _ in members]
         ctx = torch.tensor([m[1] for m in members], device=device)[:, None]
         k_pos = torch.arange(nb * block_size, device=device)[None, :]
         dmasks = {w: _window_ok(ctx - 1, k_pos, w)[:, None, None, :] for w in windows} if not decode_kernel else {}
+        overlay = None
+        if kb:
+            b_idx = [b for b, m in enumerate(members) for _ in m[3]]
+            p_idx = [m[1] - len(m[3]) + k for m in members for k in range(len(m[3]))]
+            overlay = tuple(torch.tensor(x, dtype=torch.long, device=device)
+                            for x in (b_idx, p_idx, [r for m in members for r in m[3]]))
         groups.append(DecodeGroup(torch.tensor([m[0] for m in members], device=device),
-                                  torch.tensor(table, device=device), ctx[:, 0].contiguous(), dmasks))
+                                  torch.tensor(table, device=device), ctx[:, 0].contiguous(), dmasks, overlay))
         i = j
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ForwardBatch(as_long(ids), as_long(pos), as_long(slots), as_long(logit_rows), groups, prefills,
-                        decode_kernel)
+                        decode_kernel, kb.plan(device) if kb else None)

@@ -15,8 +15,10 @@ from kvcache.attention import cpu_kernel
 from kvcache.attention.metadata import ForwardBatch
 
 
-def use_cpu_kernel(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode rows go through the C++ kernel (CPU, fp32, compiler present) rather than SDPA."""
+def use_cpu_kernel(device: torch.device, dtype: torch.dtype, store=None) -> bool:
+    """Whether decode rows go through the C++ kernel (CPU, fp32 compute and storage, compiler present) rather than SDPA."""
+    if store is not None and not (store.exact and store.compute_dtype == torch.float32):
+        return False
     return device.type == "cpu" and dtype == torch.float32 and cpu_kernel.load() is not None
 
 
@@ -37,36 +39,46 @@ class Workspace:
         return buf[:n].view(shape)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, ws: Workspace, name: str) -> torch.Tensor:
-    out = ws.get(name, (block_ids.numel(), *cache.shape[1:]), cache)
-    return torch.index_select(cache, 0, block_ids, out=out)
+def _gather(store, layer: int, block_ids: torch.Tensor, ws: Workspace, like: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of `block_ids` in the compute dtype: into reused buffers for an exact store, freshly
+    dequantized (or widened) otherwise."""
+    if not store.exact:
+        return store.gather(layer, block_ids)
+    shape = (block_ids.numel(), store.block_size, *like.shape[1:])
+    return store.gather(layer, block_ids, ws.get("k", shape, like), ws.get("v", shape, like))
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, batch: ForwardBatch, scale: float, window: int | None,
-                    ws: Workspace) -> torch.Tensor:
-    """Attention output [T, H, D] for queries q [T, H, D].
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, layer: int, batch: ForwardBatch,
+                    scale: float, window: int | None, ws: Workspace, key_src: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention output [T, H, D] for queries q [T, H, D] over layer `layer` of `store`.
 
-    k, v [T, KVH, D] are this step's new keys/values, already written to the caches
-    ([num_blocks, block_size, KVH, D]); GQA/MQA share each KV head across H / KVH query heads.
+    k, v [T, KVH, D] are this step's new keys/values, already written to the store (a KVStore or a
+    QuantizedKVStore); GQA/MQA share each KV head across H / KVH query heads. Blocks are read
+    dequantized; under KIVI, keys of each query's own group come in full precision from `key_src`, what
+    the store's `write` returned.
     """
     T, H, D = q.shape
-    kvh = k_cache.shape[2]
+    kvh = k.shape[1]
     gqa = H != kvh
     out = torch.empty_like(q)
+    src = key_src
     for g in batch.decode_groups:
         if batch.decode_kernel:
             o = ws.get("decode_out", (g.rows.numel(), H, D), q)
-            cpu_kernel.paged_decode(o, q.index_select(0, g.rows), k_cache, v_cache, g.block_table,
+            cpu_kernel.paged_decode(o, q.index_select(0, g.rows), store.k[layer], store.v[layer], g.block_table,
                                     g.context_lens, scale, window)
             out.index_copy_(0, g.rows, o)
             continue
-        B, L = g.rows.numel(), g.num_blocks * k_cache.shape[1]
-        ids = g.block_table.flatten()
-        kg = _gather(k_cache, ids, ws, "k").view(B, L, kvh, D).transpose(1, 2)
-        vg = _gather(v_cache, ids, ws, "v").view(B, L, kvh, D).transpose(1, 2)
+        B, L = g.rows.numel(), g.num_blocks * store.block_size
+        kg, vg = _gather(store, layer, g.block_table.flatten(), ws, k)
+        kg, vg = kg.view(B, L, kvh, D), vg.view(B, L, kvh, D)
+        if g.overlay is not None:
+            b, pos, rows = g.overlay
+            kg[b, pos] = src.index_select(0, rows)
         qg = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.masks[window], scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=g.masks[window],
+                                           scale=scale, enable_gqa=gqa)
         out.index_copy_(0, g.rows, o.squeeze(2))
     for p in batch.prefills:
         qs = q[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -74,8 +86,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             ks = k[p.start:p.start + p.length]
             vs = v[p.start:p.start + p.length]
         else:
-            ks = _gather(k_cache, p.block_ids, ws, "k").flatten(0, 1)
-            vs = _gather(v_cache, p.block_ids, ws, "v").flatten(0, 1)
+            ks, vs = _gather(store, layer, p.block_ids, ws, k)
+            ks, vs = ks.flatten(0, 1), vs.flatten(0, 1)
+            if p.full_src is not None:
+                ks = torch.cat([ks, src.index_select(0, p.full_src)])
+                vs = torch.cat([vs, vs[p.full_start:p.context_len]])
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         mask = p.masks[window]

@@ -17,9 +17,9 @@ from kvcache.engine.sequence import Sequence
 from kvcache.memory.block_pool import OutOfBlocksError
 from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
 from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
-from kvcache.plan.kv_bytes import CacheCapacity, cache_capacity, kv_formula
+from kvcache.plan.kv_bytes import CacheCapacity, cache_capacity, kv_formula, residual_bytes_per_seq
 from kvcache.plan.shape import shape_from_config
-from kvcache.store.kv_store import KVStore
+from kvcache.store.quantized_store import make_store
 
 log = logging.getLogger("kvcache")
 MAX_CACHE_SALT_CHARS = 256
@@ -116,17 +116,22 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_len
         if self.max_model_len > model_len:
             raise ValueError(f"max_model_len {self.max_model_len:,} exceeds the model's context length {model_len:,}")
-        self.model = build_model(loaded, self.max_model_len, self.device, self.dtype)
         self.shape = shape_from_config(hf.to_dict(), name=loaded.source)
-        self.kv_dtype = str(self.dtype).removeprefix("torch.")
+        self.kv_dtype = config.kv_cache_dtype
+        if self.kv_dtype == "auto":
+            self.kv_dtype = str(self.dtype).removeprefix("torch.")
         budget = config.kv_cache_memory or self._default_budget()
+        # Sized (and the format checked against the model) before weights or KV memory are allocated.
         self.capacity: CacheCapacity = cache_capacity(self.shape, self.kv_dtype, budget, config.block_size,
                                                       self.max_model_len)
+        self.model = build_model(loaded, self.max_model_len, self.device, self.dtype)
         # One more physical block than the budget buys: block 0, the null block that pads tables.
         self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size,
-                                 config.prefix_caching_algo if config.enable_prefix_caching else None)
-        self.store = KVStore(self.shape.num_layers, self.capacity.num_blocks + 1, config.block_size,
-                             self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
+                                 config.prefix_caching_algo if config.enable_prefix_caching else None,
+                                 seq_blocks=self.capacity.seq_blocks)
+        self.store = make_store(self.shape.num_layers, self.capacity.num_blocks + 1, config.block_size,
+                                self.shape.num_kv_heads, self.shape.head_dim, self.kv_dtype, self.dtype, self.device,
+                                self.capacity.bytes_per_token)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, self.store, self.kv, self.device)
         self.eos_token_ids = self._eos_ids(hf)
@@ -135,10 +140,11 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._pending_copies: list[tuple[int, int]] = []
         c = self.capacity
-        log.info("KV cache: %s blocks x %d tokens = %s tokens, %.2f GiB (%s); maximum concurrency for %s "
-                 "tokens per request: %.2fx", f"{c.num_blocks:,}", c.block_size, f"{c.num_tokens:,}",
-                 c.total_bytes / 2**30, kv_formula(self.shape, self.kv_dtype), f"{c.max_model_len:,}",
-                 c.max_concurrency)
+        log.info("KV cache (%s): %s blocks x %d tokens = %s tokens, %.2f GiB (%s)%s; maximum concurrency for %s "
+                 "tokens per request: %.2fx", self.kv_dtype, f"{c.num_blocks:,}", c.block_size, f"{c.num_tokens:,}",
+                 c.total_bytes / 2**30, kv_formula(self.shape, self.kv_dtype),
+                 f"; plus {c.seq_blocks} blocks per request for its fp16 key residual" if c.seq_blocks else "",
+                 f"{c.max_model_len:,}", c.max_concurrency)
 
     def _default_budget(self) -> int:
         if self.device.type == "cuda":
@@ -189,7 +195,7 @@ class LLMEngine:
         if n_prompt + max_tokens > self.max_model_len:
             raise ValueError(f"prompt has {n_prompt:,} tokens and max_tokens is {max_tokens:,}: "
                              f"{n_prompt + max_tokens:,} is above max_model_len {self.max_model_len:,}")
-        need = blocks_for(n_prompt + max_tokens, self.config.block_size)
+        need = blocks_for(n_prompt + max_tokens, self.config.block_size) + self.kv.seq_blocks
         if need > self.kv.pool.num_usable:
             raise ValueError(f"request needs {need:,} KV blocks ({n_prompt + max_tokens:,} tokens) but the whole "
                              f"pool has {self.kv.pool.num_usable:,}; raise --kv-cache-memory or lower max_tokens")
@@ -280,9 +286,7 @@ class LLMEngine:
         for parent, child in forks:
             child.num_computed_tokens = parent.num_computed_tokens
             try:
-                copy = self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
-                if copy:
-                    self._pending_copies.append(copy)
+                self._pending_copies += self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
                 self.scheduler.add_running(child)
             except OutOfBlocksError:
                 child.num_computed_tokens = 0  # no block for its copy: recompute it later
@@ -373,6 +377,7 @@ class LLMEngine:
         return {
             "block_size": c.block_size, "num_blocks": c.num_blocks, "num_tokens": c.num_tokens,
             "bytes_per_token": c.bytes_per_token, "total_bytes": c.total_bytes, "dtype": self.kv_dtype,
+            "seq_blocks": c.seq_blocks, "residual_bytes_per_seq": residual_bytes_per_seq(self.shape, self.kv_dtype),
             "max_model_len": c.max_model_len, "max_concurrency": c.max_concurrency,
             "formula": kv_formula(self.shape, self.kv_dtype),
             "free_blocks": free, "used_blocks": kv.pool.num_usable - free,

@@ -3,20 +3,25 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.attention.metadata import SeqChunk, build_batch
+from kvcache.attention.metadata import KiviLayout, SeqChunk, build_batch
 from kvcache.attention.paged import use_cpu_kernel
 from kvcache.engine.sequence import Sequence
 from kvcache.memory.kv_cache_manager import KVCacheManager
 from kvcache.models.llama import LlamaModel
 from kvcache.store.kv_store import KVStore
+from kvcache.store.quantized_store import QuantizedKVStore
 
 
 class ModelRunner:
     """Owns the model and the KV store; knows nothing of queues or requests."""
 
-    def __init__(self, model: LlamaModel, store: KVStore, kv: KVCacheManager, device: torch.device) -> None:
+    def __init__(self, model: LlamaModel, store: KVStore | QuantizedKVStore, kv: KVCacheManager,
+                 device: torch.device) -> None:
         self.model, self.store, self.kv, self.device = model, store, kv, device
-        self.decode_kernel = use_cpu_kernel(device, next(model.parameters()).dtype)
+        self.decode_kernel = use_cpu_kernel(device, next(model.parameters()).dtype, store)
+        self.kivi = None
+        if store.kivi_group:
+            self.kivi = KiviLayout(store.kivi_group, store.num_kv_heads * store.head_dim, store.row_elems)
 
     def execute(self, chunks: list[tuple[Sequence, int]],
                 block_copies: list[tuple[int, int]]) -> tuple[list[Sequence], torch.Tensor]:
@@ -26,10 +31,12 @@ class ModelRunner:
         for seq, n in chunks:
             start = seq.num_computed_tokens
             last = start + n == seq.num_tokens
-            specs.append(SeqChunk(seq.token_ids[start:start + n], start, self.kv.block_tables[seq.seq_id], last))
+            specs.append(SeqChunk(seq.token_ids[start:start + n], start, self.kv.block_tables[seq.seq_id], last,
+                                  self.kv.private_blocks.get(seq.seq_id, [])))
             if last:
                 sampled.append(seq)
-        batch = build_batch(specs, self.store.block_size, self.model.windows, self.device, self.decode_kernel)
+        batch = build_batch(specs, self.store.block_size, self.model.windows, self.device, self.decode_kernel,
+                            read_cache=not self.store.exact, kivi=self.kivi)
         # Denormal floats run many times slower on x86 CPUs; flush them to zero during the
         # forward only, since the setting is process-wide and other code may rely on them.
         flush = self.device.type == "cpu" and torch.set_flush_denormal(True)

@@ -6,6 +6,10 @@ cached blocks takes them by reference and starts computing after them. Only full
 shared and a shared block is never written: new tokens go to blocks the sequence owns alone
 (a fork copies a partly filled block first). The last prompt token is always recomputed, so
 there are logits to sample from.
+
+A sequence may also hold `seq_blocks` private blocks besides its table: scratch memory drawn from
+the same pool (the fp16 key residual of the KIVI formats, see store/quantized_store.py). They are
+taken with its first blocks, never cached or shared, and freed with its table.
 """
 from __future__ import annotations
 
@@ -51,12 +55,15 @@ class KVCacheManager:
     """Owns every sequence's block table: grows it as tokens arrive, shares it on fork and on
     prefix-cache hits, frees it on finish."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: PrefixCaching | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: PrefixCaching | None = None,
+                 seq_blocks: int = 0) -> None:
         if prefix_caching not in (None, "hash", "radix"):
             raise ValueError(f"prefix_caching must be None, 'hash' or 'radix', got {prefix_caching!r}")
         self.block_size = block_size
+        self.seq_blocks = seq_blocks
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
+        self.private_blocks: dict[int, list[int]] = {}  # seq_id -> its `seq_blocks` scratch blocks
         self.prefix_caching = prefix_caching
         self.radix = RadixCache(self.pool, block_size) if prefix_caching == "radix" else None
         self.stats = PrefixCacheStats()
@@ -90,7 +97,10 @@ class KVCacheManager:
         the cached `prefix` blocks when it has no table yet (idle cached blocks count: they stop being free)."""
         have = len(self.block_tables.get(seq_id, ())) or len(prefix)
         new = max(0, blocks_for(num_tokens, self.block_size) - have)
-        if seq_id in self.block_tables or not prefix:
+        if seq_id in self.block_tables:
+            return new
+        new += self.seq_blocks
+        if not prefix:
             return new
         if self.radix:
             return new + self.radix.locked_blocks_on_path(self._seqs[seq_id].node)
@@ -149,6 +159,8 @@ class KVCacheManager:
             return False
         table = self.block_tables.get(seq_id)
         if table is None:
+            if self.seq_blocks:
+                self.private_blocks[seq_id] = self._take_free(self.seq_blocks)
             table = self.block_tables[seq_id] = list(prefix)
             if prefix:
                 entry = self._seqs[seq_id]
@@ -217,13 +229,13 @@ class KVCacheManager:
         self.stats.queries += num_tokens
         self.stats.hits += num_hits
 
-    def fork(self, parent_id: int, child_id: int, num_tokens: int) -> tuple[int, int] | None:
+    def fork(self, parent_id: int, child_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Give `child_id` the parent's first `num_tokens` tokens of KV.
 
         Full blocks are shared by reference. A partially filled last block would be written
-        by both, so the child gets a fresh block and the caller must copy (src, dst) before
-        the next write. Returns that pair, or None when nothing needs copying. Raises
-        OutOfBlocksError if no block is free for the copy.
+        by both, so the child gets a fresh block, and fresh private blocks; the caller must copy
+        the returned (src, dst) pairs before the next write. Raises OutOfBlocksError (and changes
+        nothing) if too few blocks are free for the copies.
         """
         parent = self.block_tables[parent_id]
         if child_id in self.block_tables:
@@ -232,16 +244,17 @@ class KVCacheManager:
             raise ValueError(f"cannot fork {num_tokens} tokens: sequence {parent_id} holds {len(parent)} blocks")
         n_full = num_tokens // self.block_size
         shared = parent[:n_full]
-        copy = None
-        dst = []
-        if num_tokens % self.block_size:
-            if self.num_free_blocks < 1:
-                raise OutOfBlocksError("no free block for the copy of a partly filled block")
+        partial = 1 if num_tokens % self.block_size else 0
+        private = self.private_blocks.get(parent_id, [])
+        if self.num_free_blocks < partial + len(private):
+            raise OutOfBlocksError(f"{partial + len(private)} free blocks needed to fork a sequence, "
+                                   f"{self.num_free_blocks} free")
         self.pool.share(shared)
-        if num_tokens % self.block_size:
-            dst = self._take_free(1)
-            copy = (parent[n_full], dst[0])
-        self.block_tables[child_id] = list(shared) + dst
+        dst = self._take_free(partial + len(private))
+        copies = list(zip(parent[n_full:n_full + partial] + private, dst))
+        if private:
+            self.private_blocks[child_id] = dst[partial:]
+        self.block_tables[child_id] = list(shared) + dst[:partial]
         if parent_id in self._seqs:
             p = self._seqs[parent_id]
             # Hashes and cached blocks only up to the fork point: after it the child's tokens are its own.
@@ -249,12 +262,15 @@ class KVCacheManager:
             self._seqs[child_id] = child
             if child.locked:
                 self.radix.lock(p.node)
-        return copy
+        return copies
 
     def free(self, seq_id: int) -> None:
         """Release every block of `seq_id` (no-op if it holds none); cached blocks stay findable."""
         table = self.block_tables.pop(seq_id, None)
         entry = self._seqs.pop(seq_id, None)
+        private = self.private_blocks.pop(seq_id, None)
+        if private:
+            self.pool.free(private)
         if table:
             # Free newest first, so that a sequence's last blocks are evicted before its first ones.
             self.pool.free(table[::-1])

@@ -14,6 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.attention.paged import Workspace, paged_attention
 from kvcache.store.kv_store import KVStore
+from kvcache.store.quantized_store import QuantizedKVStore
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -96,7 +97,7 @@ class DecoderLayer(nn.Module):
         self.scale = hd ** -0.5
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, store: KVStore, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x if residual is None else residual + x
         h = F.rms_norm(residual, (residual.shape[-1],), self.input_norm, self.eps)
         T, hd = h.shape[0], self.head_dim
@@ -106,8 +107,8 @@ class DecoderLayer(nn.Module):
             q = F.rms_norm(q, (hd,), self.q_norm, self.eps)
             k = F.rms_norm(k, (hd,), self.k_norm, self.eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        store.write(self.index, batch.slot_mapping, k, v)
-        o = paged_attention(q, k, v, store.k[self.index], store.v[self.index], batch, self.scale, self.window, ws)
+        src = store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
+        o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
         x = self.o_proj(o.view(T, -1))
         residual = residual + x
         h = F.rms_norm(residual, (residual.shape[-1],), self.post_norm, self.eps)
@@ -142,7 +143,7 @@ class LlamaModel(nn.Module):
         self.cos, self.sin = cos.to(device), sin.to(device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, store: KVStore) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, store: KVStore | QuantizedKVStore) -> torch.Tensor:
         x = self.embed(batch.input_ids)
         cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
         sin = self.sin.index_select(0, batch.positions).unsqueeze(1)

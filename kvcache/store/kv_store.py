@@ -1,4 +1,9 @@
-"""The physical KV cache: one K and one V tensor per layer, addressed by (block, offset)."""
+"""The physical KV cache in full precision (float32, float16, bfloat16): one K and one V tensor per layer.
+
+Quantized formats live in quantized_store.py; `make_store` picks one. Both give attention the
+same two operations: `write` the step's new K/V through the batch's slot mapping, and `gather`
+whole blocks back in the compute dtype.
+"""
 from __future__ import annotations
 
 import torch
@@ -8,13 +13,20 @@ class KVStore:
     """Per-layer tensors of shape [num_blocks, block_size, num_kv_heads, head_dim].
 
     Slot `s` is token offset `s % block_size` of block `s // block_size`. New K/V go in
-    through a slot mapping; attention reads whole blocks through block tables.
+    through a slot mapping; attention reads whole blocks through block tables. When the storage
+    dtype is narrower than the compute dtype (float16 storage, float32 compute) reads widen it.
     """
 
+    kivi_group = 0  # no key residual: see QuantizedKVStore
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.compute_dtype = compute_dtype or dtype
+        # Reads return exactly what attention computed: prefill may attend to its fresh K/V directly.
+        self.exact = dtype == self.compute_dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: the null block pads block tables and must hold finite values.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -24,11 +36,26 @@ class KVStore:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan=None) -> None:
         """Store k, v ([tokens, kv_heads, head_dim]) at the slots `slot_mapping` ([tokens], int64)."""
         kc, vc = self.k[layer], self.v[layer]
         kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v.to(vc.dtype))
+        return None
+
+    def gather(self, layer: int, block_ids: torch.Tensor, out_k: torch.Tensor | None = None,
+               out_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `block_ids` ([N]) in the compute dtype, [N, block_size, kv_heads, head_dim] each
+        (into `out_k`/`out_v` when given: workspace buffers of that shape)."""
+        pair = []
+        for cache, out in ((self.k[layer], out_k), (self.v[layer], out_v)):
+            if self.exact:
+                pair.append(torch.index_select(cache, 0, block_ids, out=out) if out is not None
+                            else cache.index_select(0, block_ids))
+            else:
+                t = cache.index_select(0, block_ids)
+                pair.append(out.copy_(t) if out is not None else t.to(self.compute_dtype))
+        return pair[0], pair[1]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""

@@ -77,7 +77,7 @@ def run_case(seqs: list[tuple[int, int]], block_size: int, heads: int, kv_heads:
     q = torch.cat(qs)
     store.write(0, batch.slot_mapping, k_new, v_new)
     scale = head_dim ** -0.5
-    out = paged_attention(q, k_new, v_new, store.k[0], store.v[0], batch, scale, window, Workspace())
+    out = paged_attention(q, k_new, v_new, store, 0, batch, scale, window, Workspace())
     ref = torch.cat([reference(qi, hk, hv, c, scale, window)
                      for qi, hk, hv, (c, _) in zip(qs, hist_k, hist_v, seqs)])
     return out, ref, batch
@@ -180,7 +180,7 @@ def _run_with_ws(seqs, block_size, ws):
     batch = build_batch([SeqChunk([0] * n, c, t) for (c, n), t in zip(seqs, tables)], block_size)
     k_new = torch.cat([hk[c:] for hk, (c, _) in zip(hist_k, seqs)])
     v_new = torch.cat([hv[c:] for hv, (c, _) in zip(hist_v, seqs)])
-    out = paged_attention(torch.cat(qs), k_new, v_new, store.k[0], store.v[0], batch, d ** -0.5, None, ws)
+    out = paged_attention(torch.cat(qs), k_new, v_new, store, 0, batch, d ** -0.5, None, ws)
     ref = torch.cat([reference(qi, hk, hv, c, d ** -0.5, None) for qi, hk, hv, (c, _) in zip(qs, hist_k, hist_v, seqs)])
     return out, ref, batch
 

@@ -72,7 +72,7 @@ def test_fork_shares_full_blocks_and_copies_partial_last_block():
     child = kv.block_tables[2]
     assert child[:2] == p[:2]
     assert len(child) == 3 and child[2] not in p and child[2] != BlockPool.NULL_BLOCK
-    assert copy == (p[2], child[2])
+    assert copy == [(p[2], child[2])]
     assert kv.pool.ref_counts[p[0]] == 2 and kv.pool.ref_counts[p[1]] == 2
     assert kv.pool.ref_counts[p[2]] == 1 and kv.pool.ref_counts[child[2]] == 1
     assert kv.num_free_blocks == free_before - 1
@@ -84,7 +84,7 @@ def test_fork_at_block_boundary_needs_no_copy():
     kv.allocate(1, 8)
     p = list(kv.block_tables[1])
     free_before = kv.num_free_blocks
-    assert kv.fork(1, 2, 8) is None
+    assert kv.fork(1, 2, 8) == []
     assert kv.block_tables[2] == p
     assert all(kv.pool.ref_counts[b] == 2 for b in p)
     assert kv.num_free_blocks == free_before
@@ -97,7 +97,7 @@ def test_fork_of_a_prefix():
     copy = kv.fork(1, 2, 5)  # one full block shared, the second block (1 token used) copied
     child = kv.block_tables[2]
     assert child[0] == p[0] and len(child) == 2
-    assert copy == (p[1], child[1])
+    assert copy == [(p[1], child[1])]
     assert [kv.pool.ref_counts[b] for b in p] == [2, 1, 1]
 
 
@@ -107,8 +107,8 @@ def test_fork_many_children():
     p = list(kv.block_tables[0])
     copies = [kv.fork(0, c, 6) for c in (1, 2, 3)]
     assert kv.pool.ref_counts[p[0]] == 4
-    dsts = [c[1] for c in copies]
-    assert all(c[0] == p[1] for c in copies) and len(set(dsts)) == 3
+    dsts = [c[0][1] for c in copies]
+    assert all(c[0][0] == p[1] for c in copies) and len(set(dsts)) == 3
     for s in (0, 1, 2, 3):
         kv.free(s)
     assert kv.num_free_blocks == 19
@@ -125,7 +125,7 @@ def test_fork_without_a_free_block_raises_and_rolls_back():
     assert 2 not in kv.block_tables
     assert kv.num_free_blocks == 0
     # a block-aligned fork needs no new block and still works
-    assert kv.fork(1, 3, 8) is None
+    assert kv.fork(1, 3, 8) == []
 
 
 def test_free_returns_everything():
@@ -222,10 +222,10 @@ def test_random_operations_keep_accounting(num_blocks, block_size, ops):
                 n_full = n // block_size
                 assert child[:n_full] == parent[:n_full]
                 if partial:
-                    assert copy == (parent[n_full], child[n_full])
+                    assert copy == [(parent[n_full], child[n_full])]
                     assert kv.num_free_blocks == free_before - 1
                 else:
-                    assert copy is None
+                    assert copy == []
                     assert kv.num_free_blocks == free_before
         else:
             kv.free(a)
@@ -237,3 +237,33 @@ def test_random_operations_keep_accounting(num_blocks, block_size, ops):
     assert kv.block_tables == {}
     assert kv.num_free_blocks == num_blocks - 1
     assert all(c == 0 for c in kv.pool.ref_counts)
+
+
+def test_private_blocks_come_from_the_pool_and_go_back():
+    """seq_blocks private scratch blocks (the KIVI key residual) are taken with a sequence's first
+    blocks, counted in blocks_needed, copied on fork and freed with the table."""
+    kv = KVCacheManager(num_blocks=12, block_size=4, seq_blocks=2)  # 11 usable
+    assert kv.blocks_needed(1, 5) == 2 + 2
+    assert kv.allocate(1, 5)
+    private = kv.private_blocks[1]
+    assert len(private) == 2 and not set(private) & set(kv.block_tables[1])
+    assert kv.num_free_blocks == 11 - 4
+    assert kv.blocks_needed(1, 9) == 1  # growing needs no more private blocks
+    copies = kv.fork(1, 2, 5)  # the partial block and both private blocks are copied
+    assert [src for src, _ in copies] == [kv.block_tables[1][1]] + private
+    assert [dst for _, dst in copies] == kv.block_tables[2][1:] + kv.private_blocks[2]
+    assert kv.num_free_blocks == 11 - 7
+    assert not kv.allocate(3, 20)  # 5 + 2 needed, 4 free: refused, nothing taken
+    assert 3 not in kv.private_blocks and kv.num_free_blocks == 4
+    kv.free(1)
+    kv.free(2)
+    assert kv.num_free_blocks == 11 and not kv.private_blocks
+    assert all(c == 0 for c in kv.pool.ref_counts)
+
+
+def test_fork_refused_when_private_copies_do_not_fit():
+    kv = KVCacheManager(num_blocks=6, block_size=4, seq_blocks=2)  # 5 usable
+    kv.allocate(1, 8)  # 2 blocks + 2 private
+    with pytest.raises(OutOfBlocksError):
+        kv.fork(1, 2, 8)  # block-aligned, but 2 private copies need 2 blocks; 1 free
+    assert 2 not in kv.block_tables and 2 not in kv.private_blocks and kv.num_free_blocks == 1

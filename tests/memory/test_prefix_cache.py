@@ -364,13 +364,13 @@ def test_fork_after_a_prefix_hit_shares_full_blocks_and_copies_the_partial_one(m
     copy = kv.fork(2, 3, len(b))
     tc = kv.block_tables[3]
     assert tc[:3] == tb[:3] and len(tc) == 4
-    assert copy == (tb[3], tc[3]) and tc[3] not in tb and tc[3] != BlockPool.NULL_BLOCK
+    assert copy == [(tb[3], tc[3])] and tc[3] not in tb and tc[3] != BlockPool.NULL_BLOCK
     tree = 1 if mode == "radix" else 0
     assert all(kv.pool.ref_counts[x] == 2 + tree for x in tb[:3])
     assert kv.pool.ref_counts[tb[3]] == 1 and kv.pool.ref_counts[tc[3]] == 1
     assert kv.num_free_blocks == free_before - 1
     # a block-aligned fork copies nothing
-    assert kv.fork(2, 4, 12) is None and kv.block_tables[4] == tb[:3]
+    assert kv.fork(2, 4, 12) == [] and kv.block_tables[4] == tb[:3]
     # the child grows and caches on its own
     c = b + [8, 8]
     assert kv.allocate(3, len(c))
@@ -390,7 +390,7 @@ def test_fork_of_less_than_a_block_after_caching_leaks_nothing(mode):
     t = list(range(100, 113))
     run_and_cache(kv, 1, t)
     copy = kv.fork(1, 2, 2)
-    assert copy is not None and len(kv.block_tables[2]) == 1
+    assert copy and len(kv.block_tables[2]) == 1
     kv.free(1)
     kv.free(2)
     assert_no_leak(kv)
@@ -583,10 +583,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         parent, table = self.kv.block_tables[sid], self.kv.block_tables[child]
         assert table[:n // BS] == parent[:n // BS]
         if n % BS:
-            assert copy == (parent[n // BS], table[n // BS])
-            self.content[copy[1]] = list(self.content[copy[0]])  # the caller copies the block
+            assert copy == [(parent[n // BS], table[n // BS])]
+            self.content[copy[0][1]] = list(self.content[copy[0][0]])  # the caller copies the block
         else:
-            assert copy is None and len(table) == n // BS
+            assert copy == [] and len(table) == n // BS
         self.seqs[child] = {"tokens": list(s["tokens"]), "extra": s["extra"], "computed": n}
 
     @rule(data=st.data())
