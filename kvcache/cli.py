@@ -69,6 +69,9 @@ def print_kv_summary(engine, out=None) -> None:
     print(f"per token : {info['formula']}", file=out)
     print(f"pool      : {info['num_blocks']:,} blocks x {info['block_size']} tokens = {info['num_tokens']:,} tokens, "
           f"{info['total_bytes'] / 2**30:.2f} GiB ({info['dtype']})", file=out)
+    if info["seq_blocks"]:
+        print(f"residual  : {info['residual_bytes_per_seq']:,} bytes of fp16 keys per request (their 64-token group "
+              f"is not complete yet), held in {info['seq_blocks']} pool blocks per request", file=out)
     print(f"capacity  : {info['max_concurrency']:.1f} requests of max_model_len {info['max_model_len']:,} tokens", file=out)
     peak = st.peak_used_blocks
     print(f"this run  : {st.prompt_tokens:,} prompt + {st.generation_tokens:,} generated tokens; peak "
@@ -172,7 +175,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="weight dtype: auto, float32, bfloat16, float16, fp8, int8, int4")
     p.add_argument("--num-parameters", type=float, default=None, help="override the parameter count")
     p.add_argument("--activation-reserve", default=None, help="bytes per GPU kept for activations (default: estimate)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per block (default 16; 64 for int4/int2)")
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
 
@@ -182,7 +185,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from kvcache.config import parse_bytes
     from kvcache.plan.capacity import plan_device, weight_dtype
-    from kvcache.plan.kv_bytes import heads_per_gpu
+    from kvcache.plan.kv_bytes import default_block_size, heads_per_gpu
     from kvcache.plan.model_source import demo_model_path, load_model_shape
     from kvcache.plan.presets import GPU_PRESETS, MODEL_PRESETS
     from kvcache.plan.report import build_report, format_report, human
@@ -205,6 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.num_parameters is not None:
         shape = dataclasses.replace(shape, num_parameters=int(args.num_parameters))
     kv = weight_dtype("auto", shape) if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    block_size = args.block_size or default_block_size(kv)
     seq_len = args.seq_len or shape.max_position_embeddings or 4096
     tp = args.tensor_parallel_size or args.num_gpus
     heads_per_gpu(shape.num_kv_heads, tp)  # a tensor-parallel size that cannot split the KV heads is refused
@@ -216,7 +220,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             kv_cache_memory=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
             num_gpus=args.num_gpus, tensor_parallel_size=tp, gpu_memory_utilization=args.gpu_memory_utilization,
             weights=args.dtype, activation_bytes=parse_bytes(args.activation_reserve, allow_zero=True) if args.activation_reserve else None,
-            block_size=args.block_size, seq_len=seq_len, batch=args.batch, max_num_seqs=args.max_num_seqs,
+            block_size=block_size, seq_len=seq_len, batch=args.batch, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens)
     report = build_report(shape, kv, args.batch, seq_len, device)
     _emit(report, format_report(report), args.json)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import psutil
 
 from kvcache.plan.capacity import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
-from kvcache.plan.kv_bytes import DEFAULT_BLOCK_SIZE, KV_DTYPES, kv_dtype
+from kvcache.plan.kv_bytes import KV_DTYPES, default_block_size, kv_dtype
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
@@ -67,7 +67,7 @@ class EngineConfig:
                                  f"{', '.join(KV_DTYPES)} (aliases fp32, fp16, bf16, fp8)") from None
         group = KV_DTYPES[self.kv_cache_dtype].group if self.kv_cache_dtype != "auto" else 0
         if self.block_size is None:
-            self.block_size = max(DEFAULT_BLOCK_SIZE, group)
+            self.block_size = default_block_size(self.kv_cache_dtype if group else "float32")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

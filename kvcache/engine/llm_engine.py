@@ -365,6 +365,44 @@ class LLMEngine:
                                           s.cumulative_logprob if s.params.logprobs is not None else None))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished, req.metrics)
 
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], start: int = 0, chunk_size: int | None = None) -> torch.Tensor:
+        """Teacher-forced logits: row i is the next-token distribution after `token_ids[:start + i + 1]`
+        (fp32, [len(token_ids) - start, vocab]).
+
+        The tokens go through the paged KV cache in prefill chunks of `chunk_size` (default
+        max_num_batched_tokens), in the cache's storage format, as a request's prompt does; this is what
+        `kvcache eval` measures quantization with. Only while no request is unfinished; the blocks are
+        freed afterwards and nothing is added to the prefix cache.
+        """
+        if self.requests:
+            raise RuntimeError(f"score needs an idle engine; {len(self.requests)} requests are unfinished")
+        n = len(token_ids)
+        vocab = self.model.config.vocab_size
+        if not 0 < n <= self.max_model_len or not 0 <= start < n:
+            raise ValueError(f"score needs 1..{self.max_model_len:,} tokens and 0 <= start < {n:,}; got start {start:,}")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"token ids must be ints in [0, {vocab})")
+        chunk = chunk_size or self.config.max_num_batched_tokens
+        if chunk < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk}")
+        seq_id = next(self._seq_ids)
+        if not self.kv.allocate(seq_id, n):
+            raise ValueError(f"{n:,} tokens need {self.kv.blocks_needed(seq_id, n):,} KV blocks; "
+                             f"{self.kv.num_free_blocks:,} are free")
+        try:
+            out = []
+            table, private = self.kv.block_tables[seq_id], self.kv.private_blocks.get(seq_id, [])
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                if e > start:
+                    out.append(self.runner.score_chunk(token_ids[s:e], s, table, private, range(max(s, start) - s, e - s)))
+                else:
+                    self.runner.score_chunk(token_ids[s:e], s, table, private, range(0))
+            return torch.cat(out)
+        finally:
+            self.kv.free(seq_id)
+
     # ---- introspection ------------------------------------------------------------------------
 
     def kv_cache_info(self) -> dict:

@@ -35,8 +35,18 @@ class ModelRunner:
                                   self.kv.private_blocks.get(seq.seq_id, [])))
             if last:
                 sampled.append(seq)
+        return sampled, self._forward(specs)
+
+    def score_chunk(self, token_ids: list[int], start: int, block_table: list[int], private_blocks: list[int],
+                    logit_rows: range) -> torch.Tensor:
+        """Run one prefill chunk of a sequence whose blocks are allocated; fp32 logits of `logit_rows` (chunk rows)."""
+        return self._forward([SeqChunk(token_ids, start, block_table, True, private_blocks)], logit_rows)
+
+    def _forward(self, specs: list[SeqChunk], logit_rows: range | None = None) -> torch.Tensor:
         batch = build_batch(specs, self.store.block_size, self.model.windows, self.device, self.decode_kernel,
                             read_cache=not self.store.exact, kivi=self.kivi)
+        if logit_rows is not None:
+            batch.logits_indices = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         # Denormal floats run many times slower on x86 CPUs; flush them to zero during the
         # forward only, since the setting is process-wide and other code may rely on them.
         flush = self.device.type == "cpu" and torch.set_flush_denormal(True)
@@ -45,4 +55,4 @@ class ModelRunner:
         finally:
             if flush:
                 torch.set_flush_denormal(False)
-        return sampled, logits.float()
+        return logits.float()

@@ -159,8 +159,6 @@ class KVCacheManager:
             return False
         table = self.block_tables.get(seq_id)
         if table is None:
-            if self.seq_blocks:
-                self.private_blocks[seq_id] = self._take_free(self.seq_blocks)
             table = self.block_tables[seq_id] = list(prefix)
             if prefix:
                 entry = self._seqs[seq_id]
@@ -171,6 +169,8 @@ class KVCacheManager:
                     self.pool.share(table)
                 else:
                     self.pool.touch(table)
+            if self.seq_blocks:  # after taking the prefix: a fresh allocation may evict idle cached blocks
+                self.private_blocks[seq_id] = self._take_free(self.seq_blocks)
         need = blocks_for(num_tokens, self.block_size) - len(table)
         if need > 0:
             table.extend(self._take_free(need))

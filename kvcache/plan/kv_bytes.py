@@ -69,6 +69,12 @@ def kv_dtype(name: str) -> KVDtype:
     return spec
 
 
+def default_block_size(dtype: str) -> int:
+    """Tokens per block when none is asked for: 16, or one KIVI key group (64) for int4/int2, whose groups
+    must not straddle blocks."""
+    return max(DEFAULT_BLOCK_SIZE, kv_dtype(dtype).group)
+
+
 def _tensor_bytes(d: int, spec: KVDtype, key: bool) -> int:
     """Bytes per token of one head's `d` cached values, scales included."""
     data = d * spec.bits // 8
@@ -237,6 +243,10 @@ def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size:
     per-sequence buffers, drawn from the same pool.
     """
     tp = tensor_parallel_size
+    group = kv_dtype(dtype).group
+    if group and block_size % group:
+        raise ValueError(f"{kv_dtype(dtype).name} quantizes keys in groups of {group} tokens inside one block: "
+                         f"block_size must be a multiple of {group}, got {block_size}")
     per_token = kv_bytes_per_token(shape, dtype, tp)
     block_bytes = per_token * block_size
     num_blocks = budget_bytes // block_bytes if block_bytes else 0

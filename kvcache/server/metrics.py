@@ -27,6 +27,8 @@ KV cache health (ours):
 | `kvcache:prefix_cache_hit_rate` | gauge | fraction 0..1, hits / queries since start-up |
 | `kvcache:kv_cache_bytes_used`, `kvcache:kv_cache_bytes_total` | gauge | bytes of KV blocks held / of the whole pool |
 | `kvcache:kv_blocks{state}` | gauge | blocks; they sum to the pool (see below) |
+| `kvcache:kv_cache_bytes_per_token` | gauge | bytes one cached token costs in the storage format, scales included |
+| `kvcache:cache_config_info{...}` | gauge (1) | labels: block_size, cache_dtype, num_gpu_blocks, bytes_per_token, residual_blocks_per_seq (vLLM's name) |
 
 Block states: `used` is held by a sequence, `cached` is idle but holds a prefix a request can take
 back (an allocation may evict it), `free` is idle and empty.
@@ -120,6 +122,13 @@ class ServerMetrics:
                        ["model_name", "state"], registry=self.registry)
         self.blocks = {s: blocks.labels(model_name, s) for s in BLOCK_STATES}
         self.bytes_total.set(self._bytes_total)
+        gauge("kv_cache_bytes_per_token", "Bytes one cached token costs across all layers, scales included "
+                                          "(the planner's formula).").set(info["bytes_per_token"])
+        config = {"block_size": info["block_size"], "cache_dtype": info["dtype"], "num_gpu_blocks": info["num_blocks"],
+                  "bytes_per_token": info["bytes_per_token"], "residual_blocks_per_seq": info["seq_blocks"]}
+        Gauge(PREFIX + "cache_config_info", "KV cache configuration (value 1; the labels carry it). "
+              "residual_blocks_per_seq: pool blocks each request holds for its fp16 key residual (int4/int2).",
+              ["model_name", *config], registry=self.registry).labels(model_name, *map(str, config.values())).set(1)
 
         self._lock = threading.Lock()  # on_step/on_abort (engine thread) against log_line (any thread)
         self._requests: dict[str, _RequestState] = {}

@@ -195,3 +195,26 @@ def test_dashboard_uses_only_exposed_series(engine):
     assert used and used <= exposed, sorted(used - exposed)
     # And every metric ServerMetrics exposes is on the dashboard, by one of its series.
     assert not [f.name for f in families if not any(s.name in used for s in f.samples)]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_cache_reports_its_true_bytes(tiny_llama, dtype):
+    """bytes per token, pool bytes and the residual blocks are the planner's, and used bytes count what
+    sequences hold, private residual blocks included."""
+    eng = LLM(tiny_llama, kv_cache_memory="2MiB", kv_cache_dtype=dtype).engine
+    info = eng.kv_cache_info()
+    m = ServerMetrics(eng, MODEL)
+    s = samples(m)
+    assert s["kvcache:kv_cache_bytes_per_token"] == info["bytes_per_token"] < 256  # fp32 here costs 512
+    assert s["kvcache:kv_cache_bytes_total"] == info["total_bytes"] == eng.store.nbytes - eng.store.nbytes // (
+        info["num_blocks"] + 1)  # the store holds one more block: the null block
+    key = next(k for k in s if k.startswith("kvcache:cache_config_info"))
+    assert f"cache_dtype={dtype}" in key and f"residual_blocks_per_seq={info['seq_blocks']}" in key
+    assert (info["seq_blocks"] > 0) == (dtype == "int4")
+    eng.add_request("a", prompt(70), greedy(2))
+    eng.step()
+    m.on_step([], time.monotonic())
+    held = 2 + info["seq_blocks"] if dtype == "int4" else 5  # 71 tokens: 2 blocks of 64, or 5 of 16
+    assert samples(m)["kvcache:kv_blocks{state=used}"] == held
+    run_to_end(eng, m)
+    eng.check_no_leaks()

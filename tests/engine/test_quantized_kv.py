@@ -1,0 +1,145 @@
+"""Quantized KV storage in the engine: every format runs the mixed-length workload batched, with chunked
+prefill, with preemption and with prefix caching, gives the same greedy tokens as one request at a
+time (a token sees the same stored K/V however its request is scheduled), and leaks nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import LLM, SamplingParams
+from kvcache.config import EngineConfig
+from kvcache.memory.kv_cache_manager import blocks_for
+from kvcache.plan.kv_bytes import kv_bytes_per_token, residual_bytes_per_seq
+
+from engine.test_greedy_parity import _workload
+
+DTYPES = ["float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"]
+# Every format on llama (GQA, head_dim 16); one per-token and one KIVI format on a sliding window of 24 and on head_dim 32.
+CASES = [("llama", d) for d in DTYPES] + [(a, d) for a in ("mistral-swa", "qwen3") for d in ("int8", "int4")]
+
+
+def _greedy(max_tokens):
+    return [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in max_tokens]
+
+
+def _run(llm, prompts, max_tokens):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(max_tokens), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == max_tokens
+    eng = llm.engine
+    eng.check_no_leaks()
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_usable and not eng.kv.private_blocks
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
+def case(request, tiny_model_dirs):
+    arch, dtype = request.param
+    path = tiny_model_dirs[arch]
+    prompts, max_tokens = _workload(seed=1)
+    alone = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="8MiB", enable_prefix_caching=False)
+    expected = [_run(alone, [p], [n])[0] for p, n in zip(prompts, max_tokens)]
+    return path, dtype, prompts, max_tokens, expected
+
+
+def test_batched_and_chunked_equal_one_at_a_time(case):
+    path, dtype, prompts, max_tokens, expected = case
+    llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="8MiB", max_num_batched_tokens=32)
+    assert _run(llm, prompts, max_tokens) == expected
+
+
+def test_preemption_equals_one_at_a_time(case):
+    path, dtype, prompts, max_tokens, expected = case
+    if dtype in ("int4", "int2"):
+        _kivi_preemption(path, dtype)
+        return
+    bs = 8  # small blocks: a small pool admits more, so growth preempts
+    probe = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="1MiB", block_size=bs)
+    info = probe.kv_cache_info()
+    largest = max(blocks_for(len(p) + n, bs) for p, n in zip(prompts, max_tokens)) + info["seq_blocks"]
+    num_blocks = largest * 3 // 2
+    llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory=num_blocks * bs * info["bytes_per_token"],
+              max_num_batched_tokens=48, block_size=bs)
+    assert llm.kv_cache_info()["num_blocks"] == num_blocks
+    assert _run(llm, prompts, max_tokens) == expected
+    assert llm.kv_cache_info()["num_preemptions"] > 0
+
+
+def _kivi_preemption(path, dtype):
+    """Short prompts that grow by 4 blocks of 64 each, in a 10-block pool: two are admitted (1 block + 2 private
+    each), their growth cannot fit, so one is preempted and recomputed, residual included."""
+    prompts = [list(range(3 + i, 13 + 2 * i)) for i in range(4)]
+    max_tokens = [250] * 4
+    alone = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="8MiB")
+    expected = [_run(alone, [p], [n])[0] for p, n in zip(prompts, max_tokens)]
+    per_block = 64 * alone.kv_cache_info()["bytes_per_token"]
+    llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory=10 * per_block, max_num_batched_tokens=48)
+    assert llm.kv_cache_info()["num_blocks"] == 10
+    assert _run(llm, prompts, max_tokens) == expected
+    assert llm.kv_cache_info()["num_preemptions"] > 0
+
+
+def test_prefix_cache_shares_quantized_blocks(case):
+    path, dtype, prompts, max_tokens, expected = case
+    llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="8MiB")
+    long = [i for i, p in enumerate(prompts) if len(p) > llm.kv_cache_info()["block_size"]]
+    assert long
+    first = _run(llm, [prompts[i] for i in long], [max_tokens[i] for i in long])
+    again = _run(llm, [prompts[i] for i in long], [max_tokens[i] for i in long])
+    assert first == again == [expected[i] for i in long]
+    info = llm.kv_cache_info()
+    assert info["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pool_is_sized_by_the_planners_bytes(tiny_llama, dtype):
+    llm = LLM(tiny_llama, kv_cache_dtype=dtype, kv_cache_memory="4MiB")
+    eng, info = llm.engine, llm.kv_cache_info()
+    assert info["dtype"] == dtype and info["bytes_per_token"] == kv_bytes_per_token(eng.shape, dtype)
+    # the store's tensors are exactly the blocks the budget bought plus the null block
+    assert eng.store.nbytes == (info["num_blocks"] + 1) * info["block_size"] * info["bytes_per_token"]
+    assert info["total_bytes"] <= 4 * 2**20
+    resid = residual_bytes_per_seq(eng.shape, dtype)
+    assert info["seq_blocks"] == -(-resid // (info["block_size"] * info["bytes_per_token"]))
+    assert (resid > 0) == (dtype in ("int4", "int2"))
+
+
+def test_fork_copies_the_residual(tiny_llama):
+    """n > 1 samples fork after the prompt: each child gets its own residual copy and the same greedy tokens."""
+    llm = LLM(tiny_llama, kv_cache_dtype="int4", kv_cache_memory="4MiB")
+    prompt = list(range(3, 103))  # 100 tokens: a complete group and 36 tokens in the residual
+    one = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=3, temperature=0, max_tokens=30,
+                                                                        ignore_eos=True), use_tqdm=False)[0].outputs
+    assert [o.token_ids for o in outs] == [one] * 3
+    llm.engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_cache_dtype="int3"), "supported: auto, float32"),
+    (dict(kv_cache_dtype="int4", block_size=16), "multiple of 64"),
+    (dict(kv_cache_dtype="fp4"), "int4, int2"),
+])
+def test_bad_formats_fail_before_anything_is_allocated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_aliases_and_default_block_sizes():
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    assert EngineConfig(kv_cache_dtype="fp16").kv_cache_dtype == "float16"
+    assert EngineConfig(kv_cache_dtype="int4").block_size == 64
+    assert EngineConfig(kv_cache_dtype="int8").block_size == 16
+    assert EngineConfig(kv_cache_dtype="int2", block_size=128).block_size == 128
+
+
+def test_score_is_the_same_chunked_or_not(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_dtype="int4", kv_cache_memory="4MiB")
+    ids = torch.randint(3, 320, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    whole = llm.engine.score(ids, 0, 300)
+    parts = llm.engine.score(ids, 100, 37)
+    assert whole.shape == (300, 320) and parts.shape == (200, 320)
+    torch.testing.assert_close(whole[100:], parts, atol=1e-5, rtol=1e-5)
+    llm.engine.check_no_leaks()
+    with pytest.raises(ValueError, match="start"):
+        llm.engine.score(ids, 300)
