@@ -1,4 +1,4 @@
-"""The `kvcache` command: generate, chat, serve, top, plan, simulate, bench."""
+"""The `kvcache` command: generate, chat, serve, top, plan, simulate, bench, eval."""
 from __future__ import annotations
 
 import argparse
@@ -394,6 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     bs = bsub.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput")
     add_serve_bench_args(bs)
     bs.set_defaults(func=run_serve_bench)
+
+    ev = sub.add_parser("eval", help="quality evaluations")
+    evsub = ev.add_subparsers(dest="eval", required=True)
+    from kvcache.eval.kv_quality import add_args as add_kvq_args, run as run_kvq
+    kq = evsub.add_parser("kv-quality", help="KL, top-1, perplexity, passkey retrieval and capacity of each KV cache "
+                          "dtype against the float32 cache")
+    add_kvq_args(kq)
+    kq.set_defaults(func=run_kvq)
 
     args = parser.parse_args(argv)
     try:

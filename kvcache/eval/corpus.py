@@ -27,7 +27,8 @@ _HEADER = re.compile(r"^=== (.+) ===$", re.MULTILINE)
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
                  "I will quiz you about the important information there.")
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-PASSKEY_QUESTION = "What is the pass key? The pass key is"
+PASSKEY_QUESTION = "What is the pass key?"
+PASSKEY_ANSWER = "The pass key is"  # the prompt ends with it: the reply starts with the key
 
 
 def passkey_sentence(key: int) -> str:
@@ -85,17 +86,24 @@ def passkey_keys(depths: list[float], per_depth: int, seed: int = 0) -> list[tup
     return [(d, rng.randint(10_000, 99_999)) for d in depths for _ in range(per_depth)]
 
 
-def passkey_prompt(key: int, depth: float, target_tokens: int, count_tokens: Callable[[str], int]) -> str:
-    """The passkey prompt of about `target_tokens` tokens (as `count_tokens` counts them) with the key
-    sentence after a fraction `depth` of the filler (0: right after the instruction, 1: right before
-    the question).
+def plain_prompt(text: str) -> str:
+    """The passkey text as a plain prompt: the question, then the start of the answer."""
+    return text + " " + PASSKEY_ANSWER
 
-    The filler is repeated as often as fits; the prompt is within one filler line (about 25 tokens)
-    of the target.
+
+def passkey_prompt(key: int, depth: float, target_tokens: int, count_tokens: Callable[[str], int],
+                   wrap: Callable[[str], str] = plain_prompt) -> str:
+    """A passkey prompt of about `target_tokens` tokens (as `count_tokens` counts them): the
+    instruction, filler with the key sentence after a fraction `depth` of it (0: right after the
+    instruction, 1: right before the question), the question, all passed through `wrap` (which adds
+    the start of the answer, and a chat template if wanted).
+
+    The filler line is repeated as often as fits: the prompt is at most `target_tokens` and within
+    one filler line (about 25 tokens) of it, give or take a token where pieces merge.
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"passkey depth must be in [0, 1], got {depth}")
-    fixed = count_tokens(" ".join((PASSKEY_INTRO, passkey_sentence(key), PASSKEY_QUESTION)))
+    fixed = count_tokens(wrap(" ".join((PASSKEY_INTRO, passkey_sentence(key), PASSKEY_QUESTION))))
     per_filler = count_tokens(" " + PASSKEY_FILLER)
     n = (target_tokens - fixed) // per_filler
     if n < 1:
@@ -103,7 +111,7 @@ def passkey_prompt(key: int, depth: float, target_tokens: int, count_tokens: Cal
                          f"(the instruction, key and question take {fixed} tokens)")
     at = round(depth * n)
     parts = [PASSKEY_INTRO] + [PASSKEY_FILLER] * at + [passkey_sentence(key)] + [PASSKEY_FILLER] * (n - at)
-    return " ".join(parts + [PASSKEY_QUESTION])
+    return wrap(" ".join(parts + [PASSKEY_QUESTION]))
 
 
 # ---- regenerating the corpus file (once; the file is shipped) -------------------------------------------

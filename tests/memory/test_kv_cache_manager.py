@@ -267,3 +267,24 @@ def test_fork_refused_when_private_copies_do_not_fit():
     with pytest.raises(OutOfBlocksError):
         kv.fork(1, 2, 8)  # block-aligned, but 2 private copies need 2 blocks; 1 free
     assert 2 not in kv.block_tables and 2 not in kv.private_blocks and kv.num_free_blocks == 1
+
+
+@pytest.mark.parametrize("mode", ["hash", "radix"])
+def test_private_blocks_never_take_the_prefix_being_reused(mode):
+    """The cached prefix a sequence starts from sits at the head of the free list (freed first); its private
+    blocks must come from elsewhere, not evict it (they were once taken before the prefix and did)."""
+    kv = KVCacheManager(num_blocks=9, block_size=4, prefix_caching=mode, seq_blocks=2)  # 8 usable
+    tokens = list(range(9))
+    assert kv.allocate(1, 9)  # 3 blocks + 2 private
+    assert kv.allocate(2, 4)  # 1 block + 2 private: all 8
+    kv.cache_blocks(1, tokens, 9)
+    kv.free(1)  # free list: its private blocks, its partial block, then its 2 cached blocks
+    assert kv.allocate(4, 4)  # 1 block + 2 private: takes the private and partial ones
+    kv.free(2)  # now the cached blocks head the free list
+    prefix = kv.find_prefix(3, tokens)
+    assert len(prefix) == 2
+    assert kv.allocate(3, 9, prefix)
+    assert kv.block_tables[3][:2] == prefix
+    assert not set(kv.private_blocks[3]) & set(kv.block_tables[3])
+    assert all(kv.pool.ref_counts[b] == (2 if mode == "radix" else 1) for b in prefix)
+    assert kv.pool.keys[prefix[0]] is not None or mode == "radix"

@@ -479,10 +479,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     MODE = "hash"
     NUM_BLOCKS = 25
+    SEQ_BLOCKS = 0  # private blocks per sequence (the KIVI key residual)
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(self.NUM_BLOCKS, BS, self.MODE)
+        self.kv = KVCacheManager(self.NUM_BLOCKS, BS, self.MODE, seq_blocks=self.SEQ_BLOCKS)
         self.seqs: dict[int, dict] = {}  # seq id -> {"tokens", "extra", "computed"}
         self.content: dict[int, list] = {}  # block -> the token computed at each slot (None: not yet)
         self.next_id = 0
@@ -523,6 +524,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert table[:len(prefix)] == prefix
         assert kv.num_free_blocks == free - need
         self._fresh(table[len(prefix):])
+        private = kv.private_blocks.get(sid, [])
+        assert len(private) == self.SEQ_BLOCKS and not set(private) & set(table)
+        self._fresh(private)  # scratch: overwritten with other data (a cached block here would be corrupted)
         self.seqs[sid] = {"tokens": tokens, "extra": extra, "computed": len(prefix) * BS}
 
     @rule(data=st.data(), whole=st.booleans())
@@ -577,16 +581,19 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         try:
             copy = self.kv.fork(sid, child, n)
         except OutOfBlocksError:
-            assert n % BS and self.kv.num_free_blocks == 0
+            assert self.kv.num_free_blocks < (1 if n % BS else 0) + self.SEQ_BLOCKS
             assert self._snapshot() == before
             return
         parent, table = self.kv.block_tables[sid], self.kv.block_tables[child]
         assert table[:n // BS] == parent[:n // BS]
+        private = [(a, b) for a, b in zip(self.kv.private_blocks.get(sid, []), self.kv.private_blocks.get(child, []))]
+        assert len(private) == self.SEQ_BLOCKS
         if n % BS:
-            assert copy == [(parent[n // BS], table[n // BS])]
-            self.content[copy[0][1]] = list(self.content[copy[0][0]])  # the caller copies the block
+            assert copy == [(parent[n // BS], table[n // BS])] + private
         else:
-            assert copy == [] and len(table) == n // BS
+            assert copy == private and len(table) == n // BS
+        for a, b in copy:
+            self.content[b] = list(self.content[a])  # the caller copies the blocks
         self.seqs[child] = {"tokens": list(s["tokens"]), "extra": s["extra"], "computed": n}
 
     @rule(data=st.data())
@@ -613,8 +620,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         tables = list(kv.block_tables.values())
         for t in tables:
             assert BlockPool.NULL_BLOCK not in t
+        privates = [b for p in kv.private_blocks.values() for b in p]
+        assert set(kv.private_blocks) <= set(kv.block_tables)
         for b in range(pool.num_blocks):
-            holders = sum(t.count(b) for t in tables) + (b in in_tree)
+            holders = sum(t.count(b) for t in tables) + (b in in_tree) + privates.count(b)
             assert pool.ref_counts[b] == holders, (b, pool.ref_counts[b], holders)
             assert (b in pool._free) == (b != BlockPool.NULL_BLOCK and holders == 0), b
         referenced = sum(1 for b in range(pool.num_blocks) if pool.ref_counts[b] > 0)
@@ -654,11 +663,25 @@ class RadixPrefixCacheMachine(PrefixCacheMachine):
     MODE = "radix"
 
 
-for _machine in (PrefixCacheMachine, RadixPrefixCacheMachine):
-    _machine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+class PrivateBlocksHashMachine(PrefixCacheMachine):
+    SEQ_BLOCKS = 2
+    NUM_BLOCKS = 12  # tight: private blocks come from a pool full of idle cached blocks
+
+
+class PrivateBlocksRadixMachine(PrefixCacheMachine):
+    MODE = "radix"
+    SEQ_BLOCKS = 1
+    NUM_BLOCKS = 12
+
 
 TestHashPrefixCacheMachine = PrefixCacheMachine.TestCase
 TestRadixPrefixCacheMachine = RadixPrefixCacheMachine.TestCase
+TestPrivateBlocksHashMachine = PrivateBlocksHashMachine.TestCase
+TestPrivateBlocksRadixMachine = PrivateBlocksRadixMachine.TestCase
+for _machine in (PrefixCacheMachine, RadixPrefixCacheMachine):
+    _machine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+for _machine in (PrivateBlocksHashMachine, PrivateBlocksRadixMachine):
+    _machine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
 
 
 # ---- duplicates and collisions ------------------------------------------------------------------
