@@ -114,6 +114,127 @@ static void decode_impl(float* op, const float* qp, const float* kp, const float
   });
 }
 
+// Quantized stores (store/quantized_store.py): each block is one row of `raw` [NB, ROW] bytes holding
+// codes, fp16 scales and zero points at byte offsets ko, vo, kso, vso, kzo, vzo. FMT 0: one byte per value
+// (fp8/int8, decoded through lut[256]) with one scale per token and KV head. FMT 1: KIVI int4/int2, PER codes
+// per byte (lut[256 * PER]); keys scaled per channel over groups of GK tokens, values per token over groups of
+// GV channels. Keys of positions >= full_start[b] are read in full precision from full_src rows full_rows[b].
+template <int FMT>
+static void qdecode_impl(float* op, const float* qp, const uint8_t* raw, int64_t ROW, int64_t ko, int64_t vo,
+                         int64_t kso, int64_t vso, int64_t kzo, int64_t vzo, const float* lut, int64_t PER,
+                         int64_t GK, int64_t GV, const int64_t* bt, const int64_t* cl, int64_t B, int64_t H, int64_t D,
+                         int64_t BS, int64_t KVH, int64_t MAXNB, float sc, int64_t window, const float* fsrc,
+                         const int64_t* frows, const int64_t* fstart, int64_t FR) {
+  const int64_t G = H / KVH, DP = D / PER, NVG = D / GV;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s, acc(H * D), kv(D);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t L = cl[b];
+      const int64_t j0 = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - j0;
+      const int64_t fs = fstart ? fstart[b] : L;
+      s.resize(H * n);
+      const float* qb = qp + b * H * D;
+      const int64_t* table = bt + b * MAXNB;
+      for (int64_t bi = j0 / BS; bi * BS < L; ++bi) {
+        const uint8_t* row = raw + table[bi] * ROW;
+        const int64_t t0 = std::max(j0 - bi * BS, (int64_t)0), t1 = std::min(L - bi * BS, BS);
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t pos = bi * BS + t;
+          for (int64_t kh = 0; kh < KVH; ++kh) {
+            const float* k = kv.data();
+            if (pos >= fs) {
+              k = fsrc + (frows[b * FR + pos - fs] * KVH + kh) * D;
+            } else if (FMT == 0) {
+              const uint8_t* c = row + ko + (t * KVH + kh) * D;
+              const float ks = (float)((const at::Half*)(row + kso))[t * KVH + kh];
+              for (int64_t d = 0; d < D; ++d) kv[d] = lut[c[d]] * ks;
+            } else {
+              const uint8_t* c = row + ko + (t * KVH + kh) * DP;
+              const int64_t gi = (t / GK) * KVH + kh;
+              const at::Half* ks = (const at::Half*)(row + kso) + gi * D;
+              const at::Half* kz = (const at::Half*)(row + kzo) + gi * D;
+              for (int64_t j = 0; j < DP; ++j)
+                for (int64_t i = 0; i < PER; ++i) {
+                  const int64_t d = j * PER + i;
+                  kv[d] = lut[c[j] * PER + i] * (float)ks[d] + (float)kz[d];
+                }
+            }
+            float* st = s.data() + pos - j0;
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t h = kh * G + g;
+              st[h * n] = dot<0>(qb + h * D, k, D) * sc;
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* sh = s.data() + h * n;
+        float m = sh[0];
+        for (int64_t i = 1; i < n; ++i) m = std::max(m, sh[i]);
+        float sum = 0.f;
+        for (int64_t i = 0; i < n; ++i) { sh[i] = expf(sh[i] - m); sum += sh[i]; }
+        const float inv = 1.f / sum;
+        for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t bi = j0 / BS; bi * BS < L; ++bi) {
+        const uint8_t* row = raw + table[bi] * ROW;
+        const int64_t t0 = std::max(j0 - bi * BS, (int64_t)0), t1 = std::min(L - bi * BS, BS);
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t pos = bi * BS + t;
+          for (int64_t kh = 0; kh < KVH; ++kh) {
+            if (FMT == 0) {
+              const uint8_t* c = row + vo + (t * KVH + kh) * D;
+              const float vs = (float)((const at::Half*)(row + vso))[t * KVH + kh];
+              for (int64_t d = 0; d < D; ++d) kv[d] = lut[c[d]] * vs;
+            } else {
+              const uint8_t* c = row + vo + (t * KVH + kh) * DP;
+              const at::Half* vs = (const at::Half*)(row + vso) + (t * KVH + kh) * NVG;
+              const at::Half* vz = (const at::Half*)(row + vzo) + (t * KVH + kh) * NVG;
+              for (int64_t j = 0; j < DP; ++j)
+                for (int64_t i = 0; i < PER; ++i) {
+                  const int64_t d = j * PER + i;
+                  kv[d] = lut[c[j] * PER + i] * (float)vs[d / GV] + (float)vz[d / GV];
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t h = kh * G + g;
+              const float p = s[h * n + pos - j0];
+              float* a = acc.data() + h * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) a[d] += p * kv[d];
+            }
+          }
+        }
+      }
+      std::copy(acc.begin(), acc.end(), op + b * H * D);
+    }
+  });
+}
+
+void paged_decode_quant(torch::Tensor out, torch::Tensor q, torch::Tensor raw, std::vector<int64_t> offsets,
+                        int64_t fmt, torch::Tensor lut, int64_t per, int64_t gk, int64_t gv, int64_t block_size,
+                        int64_t kv_heads, torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                        int64_t window, torch::Tensor full_src, torch::Tensor full_rows, torch::Tensor full_start) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && raw.is_contiguous() && lut.is_contiguous());
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous() && offsets.size() == 6);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && lut.scalar_type() == at::kFloat && raw.scalar_type() == at::kByte);
+  const bool kivi = fmt == 1;
+  if (kivi) TORCH_CHECK(full_src.is_contiguous() && full_rows.is_contiguous() && full_start.is_contiguous() &&
+                        full_src.scalar_type() == at::kFloat);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  auto args = std::make_tuple(out.data_ptr<float>(), q.data_ptr<float>(), raw.data_ptr<uint8_t>(), raw.size(1),
+                              offsets[0], offsets[1], offsets[2], offsets[3], offsets[4], offsets[5],
+                              lut.data_ptr<float>(), per, gk, gv, block_tables.data_ptr<int64_t>(),
+                              context_lens.data_ptr<int64_t>(), B, H, D, block_size, kv_heads,
+                              block_tables.size(1), (float)scale, window,
+                              kivi ? full_src.data_ptr<float>() : nullptr,
+                              kivi ? full_rows.data_ptr<int64_t>() : nullptr,
+                              kivi ? full_start.data_ptr<int64_t>() : nullptr, kivi ? full_rows.size(1) : (int64_t)0);
+  if (kivi) std::apply(qdecode_impl<1>, args);
+  else std::apply(qdecode_impl<0>, args);
+}
+
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
@@ -144,7 +265,7 @@ def load() -> object | None:
         return None
     try:
         from torch.utils.cpp_extension import load_inline
-        _module = load_inline("kvcache_cpu_attention", cpp_sources=[_SOURCE], functions=["paged_decode"],
+        _module = load_inline("kvcache_cpu_attention", cpp_sources=[_SOURCE], functions=["paged_decode", "paged_decode_quant"],
                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                               extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers: the portable path still works
@@ -156,4 +277,17 @@ def load() -> object | None:
 def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None) -> None:
     """out[b] = attention of q[b] ([B, H, D]) over the first context_lens[b] tokens of its block table."""
-    _module.paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, window or 0)
+    load().paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, window or 0)
+
+
+def paged_decode_quant(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, scale: float, window: int | None,
+                       full: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    """paged_decode over a QuantizedKVStore layer, dequantizing each token as it is read. Under KIVI `full` is
+    (full-precision key rows [R, KVH, D], row of each sequence's current-group position [B, group], the position
+    that group starts at [B])."""
+    empty = torch.empty(0)
+    src, rows, start = full if full is not None else (empty, empty, empty)
+    load().paged_decode_quant(out, q, store.raw[layer], store.offsets, 1 if store.kivi_group else 0, store.lut,
+                               store.codes_per_byte, store.kivi_group or 1, store.value_group, store.block_size,
+                               store.num_kv_heads, block_tables, context_lens, scale, window or 0, src, rows, start)

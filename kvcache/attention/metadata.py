@@ -38,6 +38,9 @@ class DecodeGroup:
     masks: dict[int | None, torch.Tensor]  # sliding window -> [B, 1, 1, num_blocks * block_size] bool
     # KIVI: (row in group, position, src row) of the full-precision keys that replace dequantized ones
     overlay: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # KIVI with the decode kernel: src rows of each sequence's current-group keys [B, F] (padded), and the
+    # position that group starts at [B]
+    full: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -207,14 +210,18 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         ctx = torch.tensor([m[1] for m in members], device=device)[:, None]
         k_pos = torch.arange(nb * block_size, device=device)[None, :]
         dmasks = {w: _window_ok(ctx - 1, k_pos, w)[:, None, None, :] for w in windows} if not decode_kernel else {}
-        overlay = None
-        if kb:
+        overlay = full = None
+        if kb and decode_kernel:
+            width = max(len(m[3]) for m in members)
+            full = (torch.tensor([m[3] + [0] * (width - len(m[3])) for m in members], device=device),
+                    torch.tensor([m[1] - len(m[3]) for m in members], device=device))
+        elif kb:
             b_idx = [b for b, m in enumerate(members) for _ in m[3]]
             p_idx = [m[1] - len(m[3]) + k for m in members for k in range(len(m[3]))]
             overlay = tuple(torch.tensor(x, dtype=torch.long, device=device)
                             for x in (b_idx, p_idx, [r for m in members for r in m[3]]))
         groups.append(DecodeGroup(torch.tensor([m[0] for m in members], device=device),
-                                  torch.tensor(table, device=device), ctx[:, 0].contiguous(), dmasks, overlay))
+                                  torch.tensor(table, device=device), ctx[:, 0].contiguous(), dmasks, overlay, full))
         i = j
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ForwardBatch(as_long(ids), as_long(pos), as_long(slots), as_long(logit_rows), groups, prefills,

@@ -13,13 +13,17 @@ import torch.nn.functional as F
 
 from kvcache.attention import cpu_kernel
 from kvcache.attention.metadata import ForwardBatch
+from kvcache.store.quantized_store import QuantizedKVStore
 
 
 def use_cpu_kernel(device: torch.device, dtype: torch.dtype, store=None) -> bool:
-    """Whether decode rows go through the C++ kernel (CPU, fp32 compute and storage, compiler present) rather than SDPA."""
-    if store is not None and not (store.exact and store.compute_dtype == torch.float32):
+    """Whether decode rows go through the C++ kernel rather than SDPA: CPU, fp32 compute, the compiler present,
+    and fp32 or quantized storage (float16/bfloat16 storage takes the portable path)."""
+    if device.type != "cpu" or dtype != torch.float32:
         return False
-    return device.type == "cpu" and dtype == torch.float32 and cpu_kernel.load() is not None
+    if store is not None and not store.exact and not isinstance(store, QuantizedKVStore):
+        return False
+    return cpu_kernel.load() is not None
 
 
 class Workspace:
@@ -66,8 +70,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
     for g in batch.decode_groups:
         if batch.decode_kernel:
             o = ws.get("decode_out", (g.rows.numel(), H, D), q)
-            cpu_kernel.paged_decode(o, q.index_select(0, g.rows), store.k[layer], store.v[layer], g.block_table,
-                                    g.context_lens, scale, window)
+            if store.exact:
+                cpu_kernel.paged_decode(o, q.index_select(0, g.rows), store.k[layer], store.v[layer], g.block_table,
+                                        g.context_lens, scale, window)
+            else:
+                full = (src, *g.full) if g.full is not None else None
+                cpu_kernel.paged_decode_quant(o, q.index_select(0, g.rows), store, layer, g.block_table,
+                                              g.context_lens, scale, window, full)
             out.index_copy_(0, g.rows, o)
             continue
         B, L = g.rows.numel(), g.num_blocks * store.block_size

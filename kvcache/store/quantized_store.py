@@ -63,6 +63,9 @@ class QuantizedKVStore:
             g = self.kivi_group
             self.bits = BITS[spec.name]
             per = 8 // self.bits
+            self.codes_per_byte = per
+            # byte -> its `per` codes as floats: unpacking is one gather, not a shift and mask per code
+            self.lut = unpack(torch.arange(256, dtype=torch.uint8)[:, None], self.bits).to(device, compute_dtype)
             self.value_group = min(g, d)
             if bs % g or d % per or d % self.value_group:
                 raise ValueError(f"{spec.name} needs block_size a multiple of {g} and head_dim a multiple of "
@@ -73,6 +76,8 @@ class QuantizedKVStore:
                      "vz": (torch.float16, (bs, h, d // self.value_group))}
         else:
             code = FP8.get(spec.name, torch.int8)
+            self.codes_per_byte, self.value_group = 1, 1
+            self.lut = torch.arange(256, dtype=torch.uint8).view(code).to(device, compute_dtype)  # byte -> value
             parts = {"kd": (code, (bs, h, d)), "vd": (code, (bs, h, d)),
                      "ks": (torch.float16, (bs, h)), "vs": (torch.float16, (bs, h))}
         sizes = {n: torch.Size(s).numel() * torch.empty(0, dtype=t).element_size() for n, (t, s) in parts.items()}
@@ -82,13 +87,11 @@ class QuantizedKVStore:
                                f"planner counts {expected_bytes_per_token * bs:,}")
         # zeros: the null block pads block tables and must dequantize to finite values.
         self.raw = [torch.zeros(num_blocks, self.row_bytes, dtype=torch.uint8, device=device) for _ in range(num_layers)]
-        self.parts: list[dict[str, torch.Tensor]] = []
-        for raw in self.raw:
-            views, at = {}, 0
-            for name, (t, shape) in parts.items():
-                views[name] = raw[:, at:at + sizes[name]].view(t).view(num_blocks, *shape)
-                at += sizes[name]
-            self.parts.append(views)
+        starts = dict(zip(parts, [sum(list(sizes.values())[:i]) for i in range(len(sizes))]))
+        self.parts = [{name: raw[:, starts[name]:starts[name] + sizes[name]].view(t).view(num_blocks, *shape)
+                       for name, (t, shape) in parts.items()} for raw in self.raw]
+        # byte offsets of K codes, V codes, K scales, V scales, K zeros, V zeros in a row (the C++ decode kernel's view)
+        self.offsets = [starts.get(n, 0) for n in ("kd", "vd", "ks", "vs", "kz", "vz")]
         # The residual's fp16 elements, addressed across a sequence's private blocks.
         self.row_elems = self.row_bytes // 2
         self.flat16 = [raw.view(torch.float16).view(-1) for raw in self.raw] if self.kivi_group else []
@@ -149,15 +152,19 @@ class QuantizedKVStore:
             k = p["kd"].to(self.compute_dtype).mul_(p["ks"].unsqueeze(-1))
             v = p["vd"].to(self.compute_dtype).mul_(p["vs"].unsqueeze(-1))
         else:
-            n, g, d = block_ids.numel(), self.kivi_group, self.head_dim
-            k = unpack(p["kd"], self.bits).to(self.compute_dtype).view(n, -1, g, self.num_kv_heads, d)
-            k = k.mul_(p["ks"].unsqueeze(2)).add_(p["kz"].unsqueeze(2)).view(n, self.block_size, self.num_kv_heads, d)
-            gv = self.value_group
-            v = unpack(p["vd"], self.bits).to(self.compute_dtype).view(n, self.block_size, self.num_kv_heads, -1, gv)
-            v = v.mul_(p["vs"].unsqueeze(-1)).add_(p["vz"].unsqueeze(-1)).view(n, self.block_size, self.num_kv_heads, d)
+            n, g, h, d = block_ids.numel(), self.kivi_group, self.num_kv_heads, self.head_dim
+            k = self._codes(p["kd"]).view(n, -1, g, h, d)
+            k = torch.addcmul(p["kz"].unsqueeze(2).to(k.dtype), k, p["ks"].unsqueeze(2).to(k.dtype))
+            v = self._codes(p["vd"]).view(n, self.block_size, h, -1, self.value_group)
+            v = torch.addcmul(p["vz"].unsqueeze(-1).to(v.dtype), v, p["vs"].unsqueeze(-1).to(v.dtype))
+            k, v = k.view(n, self.block_size, h, d), v.view(n, self.block_size, h, d)
         if out_k is not None:
             return out_k.copy_(k), out_v.copy_(v)
         return k, v
+
+    def _codes(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed int4/int2 bytes [..., D * bits / 8] -> their codes as compute-dtype floats [..., D]."""
+        return self.lut.index_select(0, packed.flatten().int()).view(*packed.shape[:-1], -1)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (a fork's partial block and private blocks)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcache.attention import cpu_kernel
 from kvcache.attention.metadata import KiviLayout, SeqChunk, build_batch
 from kvcache.attention.paged import Workspace, paged_attention
 from kvcache.store.codecs import (dequantize_per_channel, dequantize_per_token, quantize_per_channel,
@@ -42,7 +43,7 @@ def _reference(q, k, v, dtype, window=None, group=64):
     return torch.stack(out)
 
 
-def _run(q, k, v, dtype, splits, block_size, window=None):
+def _run(q, k, v, dtype, splits, block_size, window=None, kernel=False):
     """Feed one sequence through the store in chunks of `splits` tokens (1 = decode steps)."""
     L = k.shape[0]
     nb = -(-L // block_size)
@@ -53,7 +54,7 @@ def _run(q, k, v, dtype, splits, block_size, window=None):
     outs, start = [], 0
     for n in splits:
         chunk = SeqChunk([0] * n, start, table, True, private)
-        batch = build_batch([chunk], block_size, (window,), read_cache=True, kivi=layout)
+        batch = build_batch([chunk], block_size, (window,), read_cache=True, kivi=layout, decode_kernel=kernel)
         kk, vv = k[start:start + n], v[start:start + n]
         src = store.write(0, batch.slot_mapping, kk, vv, batch.kivi)
         outs.append(paged_attention(q[start:start + n], kk, vv, store, 0, batch, D ** -0.5, window, Workspace(), src))
@@ -77,9 +78,58 @@ def test_chunked_attention_matches_the_dense_reference(dtype, splits):
     torch.testing.assert_close(out, _reference(q, k, v, dtype), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "cpu-kernel"])
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_sliding_window_over_quantized_blocks(dtype):
+def test_sliding_window_over_quantized_blocks(dtype, kernel):
     q, k, v = _data(140, seed=1)
     bs = 64 if dtype == "int4" else 16
-    out = _run(q, k, v, dtype, [50, 1, 1, 88], bs, window=40)
+    out = _run(q, k, v, dtype, [50, 1, 1, 88] if not kernel else [50] + [1] * 90, bs, window=40, kernel=kernel)
     torch.testing.assert_close(out, _reference(q, k, v, dtype, window=40), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2"])
+@pytest.mark.parametrize("splits", [[1] * 150, [37] + [1] * 100, [64] + [1] * 70])
+def test_cpu_kernel_decodes_quantized_blocks(dtype, splits):
+    """The C++ decode kernel dequantizes each token as it reads it: the same answers as the dense reference."""
+    assert cpu_kernel.load() is not None, "the C++ CPU attention kernel failed to build on this machine"
+    q, k, v = _data(sum(splits), seed=2)
+    bs = 64 if dtype in ("int4", "int2") else 16
+    out = _run(q, k, v, dtype, splits, bs, kernel=True)
+    torch.testing.assert_close(out, _reference(q, k, v, dtype), atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_kernel_decodes_a_batch_of_quantized_sequences():
+    """Several sequences of different lengths and group phases in one kernel call (padded full-key rows)."""
+    assert cpu_kernel.load() is not None
+    dtype, bs = "int4", 64
+    lens = [70, 130, 5, 64, 191]
+    data = [_data(n, seed=10 + i) for i, n in enumerate(lens)]
+    nb = [-(-n // bs) for n in lens]
+    store = QuantizedKVStore(1, 1 + sum(nb) + 4 * len(lens), bs, KVH, D, dtype)
+    layout = KiviLayout(store.kivi_group, KVH * D, store.row_elems)
+    at = 1
+    tables, privates = [], []
+    for n in nb:
+        tables.append(list(range(at, at + n)))
+        at += n
+    for _ in lens:
+        privates.append(list(range(at, at + 2)))
+        at += 2
+    # prefill all but the last token of each, then one batched decode step
+    pre = [SeqChunk([0] * (n - 1), 0, t, True, p) for n, t, p in zip(lens, tables, privates) if n > 1]
+    kpre = torch.cat([k[:n - 1] for (q, k, v), n in zip(data, lens) if n > 1])
+    vpre = torch.cat([v[:n - 1] for (q, k, v), n in zip(data, lens) if n > 1])
+    batch = build_batch(pre, bs, read_cache=True, kivi=layout)
+    store.write(0, batch.slot_mapping, kpre, vpre, batch.kivi)
+    dec = [SeqChunk([0], n - 1, t, True, p) for n, t, p in zip(lens, tables, privates)]
+    outs = {}
+    for kernel in (False, True):
+        batch = build_batch(dec, bs, read_cache=True, kivi=layout, decode_kernel=kernel)
+        kk = torch.cat([k[n - 1:n] for (q, k, v), n in zip(data, lens)])
+        vv = torch.cat([v[n - 1:n] for (q, k, v), n in zip(data, lens)])
+        qq = torch.cat([q[n - 1:n] for (q, k, v), n in zip(data, lens)])
+        src = store.write(0, batch.slot_mapping, kk, vv, batch.kivi)
+        outs[kernel] = paged_attention(qq, kk, vv, store, 0, batch, D ** -0.5, None, Workspace(), src)
+    ref = torch.stack([_reference(q, k, v, dtype)[-1] for q, k, v in data])
+    torch.testing.assert_close(outs[False], ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[True], ref, atol=1e-4, rtol=1e-4)
