@@ -395,16 +395,28 @@ def test_min_tokens_holds_back_eos(llm, engine, eos_case):
 H_BLOCK, H_POOL, H_LEN, H_BUDGET = 4, 12, 40, 8  # 48 tokens of cache, 8 tokens per step
 
 
-@pytest.fixture(scope="module")
-def small(tiny_llama, per_token) -> LLM:
-    return make_llm(tiny_llama, per_token, H_POOL, H_BLOCK, max_model_len=H_LEN, max_num_batched_tokens=H_BUDGET,
-                    max_num_seqs=4)
+# The random-interleaving test runs on the fp32 cache (48 tokens in 4-token blocks) and on int4 (KIVI: 64-token
+# blocks, each sequence also holding 2 private blocks for its key residual; 8 blocks hold 2 sequences at most).
+H_FORMATS = {"float32": (H_POOL, H_BLOCK), "int4": (8, 64)}
+
+
+@pytest.fixture(scope="module", params=list(H_FORMATS))
+def kv_format(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny_llama):
-    """Greedy outputs of a prompt run alone on a roomy engine, memoized."""
-    ref = LLM(tiny_llama, kv_cache_memory="2MiB", max_model_len=H_LEN)
+def small(tiny_llama, kv_format) -> LLM:
+    pool, block = H_FORMATS[kv_format]
+    per_token = LLM(tiny_llama, kv_cache_memory="1MiB", kv_cache_dtype=kv_format).kv_cache_info()["bytes_per_token"]
+    return make_llm(tiny_llama, per_token, pool, block, max_model_len=H_LEN, max_num_batched_tokens=H_BUDGET,
+                    max_num_seqs=4, kv_cache_dtype=kv_format)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_llama, kv_format):
+    """Greedy outputs of a prompt run alone on a roomy engine with the same cache format, memoized."""
+    ref = LLM(tiny_llama, kv_cache_memory="2MiB", max_model_len=H_LEN, kv_cache_dtype=kv_format)
     memo: dict[tuple, list[int]] = {}
 
     def greedy(prompt: list[int], max_tokens: int) -> list[int]:
@@ -425,16 +437,20 @@ def check_invariants(eng) -> None:
     assert pool.num_free + held == pool.num_usable
     assert all(r >= 0 for r in refs)
     in_tables = Counter(b for t in kv.block_tables.values() for b in t)
+    private = Counter(b for p in kv.private_blocks.values() for b in p)
+    assert set(kv.private_blocks) <= set(kv.block_tables)
+    assert all(len(p) == kv.seq_blocks for p in kv.private_blocks.values())
+    assert all(refs[b] == 1 and b not in in_tables for b in private), "a private block is shared"
     assert 0 not in in_tables
     # Every reference is a table entry and every table entry a reference.
     for b, count in in_tables.items():
         assert refs[b] == count >= 1, f"block {b}: ref count {refs[b]}, in {count} tables"
-    assert sum(refs) == sum(in_tables.values())
+    assert sum(refs) == sum(in_tables.values()) + sum(private.values())
     live = {s.seq_id: s for r in eng.requests.values() for s in r.seqs if not s.is_finished}
     assert set(kv.block_tables) <= set(live), "a finished or unknown sequence still holds a table"
     for s in eng.scheduler.running:
         assert s.seq_id in live and s.status is SequenceStatus.RUNNING
-        assert len(kv.block_tables.get(s.seq_id, ())) * H_BLOCK >= s.num_computed_tokens
+        assert len(kv.block_tables.get(s.seq_id, ())) * kv.block_size >= s.num_computed_tokens
     for s in eng.scheduler.waiting:
         assert s.status is SequenceStatus.WAITING
 
@@ -448,14 +464,16 @@ def _spy_shared_writes(eng) -> list:
         write = store.write
         store._violations, store._writes = [], 0
 
-        def checked(layer, slot_mapping, k, v):
+        def checked(layer, slot_mapping, k, v, plan=None):
             store._writes += 1
             refs = eng.kv.pool.ref_counts
-            for slot in slot_mapping.tolist():
-                block = slot // store.block_size
+            blocks = [slot // store.block_size for slot in slot_mapping.tolist()]
+            if plan is not None:  # KIVI: key groups quantized into blocks, residual keys into private blocks
+                blocks += plan.group_blocks.tolist() + (plan.resid_write // store.row_elems).tolist()
+            for block in blocks:
                 if refs[block] != 1:
                     store._violations.append((block, refs[block]))
-            return write(layer, slot_mapping, k, v)
+            return write(layer, slot_mapping, k, v, plan)
 
         store.write = checked
     return store._violations
