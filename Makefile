@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench eval clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ bench: install
 		--baseline hf --json results/throughput.json
 	$(VENV)/bin/kvcache bench throughput --workload shared-prefix --json results/shared_prefix.json
 	$(VENV)/bin/kvcache bench throughput --workload multi-turn --json results/multi_turn.json
+
+eval: install
+	$(VENV)/bin/kvcache eval kv-quality --json results/kv_quality.json --plot results/kv_quality.png
 
 clean:
 	rm -rf $(VENV) results

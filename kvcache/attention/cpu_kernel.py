@@ -119,15 +119,27 @@ static void decode_impl(float* op, const float* qp, const float* kp, const float
 // (fp8/int8, decoded through lut[256]) with one scale per token and KV head. FMT 1: KIVI int4/int2, PER codes
 // per byte (lut[256 * PER]); keys scaled per channel over groups of GK tokens, values per token over groups of
 // GV channels. Keys of positions >= full_start[b] are read in full precision from full_src rows full_rows[b].
-template <int FMT>
+// CODE: 0 fp8 through lut[256], 1 int8 (converted directly), 4 / 2 KIVI int4 / int2 (PER = 8 / CODE codes a byte).
+// DC is D when known at compile time (64, 128), else 0.
+template <int CODE, int64_t DC>
 static void qdecode_impl(float* op, const float* qp, const uint8_t* raw, int64_t ROW, int64_t ko, int64_t vo,
-                         int64_t kso, int64_t vso, int64_t kzo, int64_t vzo, const float* lut, int64_t PER,
-                         int64_t GK, int64_t GV, const int64_t* bt, const int64_t* cl, int64_t B, int64_t H, int64_t D,
+                         int64_t kso, int64_t vso, int64_t kzo, int64_t vzo, const float* lut,
+                         int64_t GK, int64_t GV, const int64_t* bt, const int64_t* cl, int64_t B, int64_t H, int64_t Drt,
                          int64_t BS, int64_t KVH, int64_t MAXNB, float sc, int64_t window, const float* fsrc,
                          const int64_t* frows, const int64_t* fstart, int64_t FR) {
+  constexpr bool KIVI = CODE == 4 || CODE == 2;
+  constexpr int PER = KIVI ? 8 / CODE : 1;
+  constexpr uint8_t MASK = KIVI ? (1 << CODE) - 1 : 0xFF;
+  const int64_t D = DC ? DC : Drt;
   const int64_t G = H / KVH, DP = D / PER, NVG = D / GV;
+  // one byte-code -> float, vectorizable for the integer formats
+  auto decode = [&](const uint8_t* c, int64_t d) -> float {
+    if constexpr (CODE == 0) return lut[c[d]];
+    else if constexpr (CODE == 1) return (float)(int8_t)c[d];
+    else return (float)((c[d / PER] >> ((d % PER) * CODE)) & MASK);
+  };
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s, acc(H * D), kv(D);
+    std::vector<float> s, acc(H * D), kv(D), kscale(KVH * D), kzero(KVH * D);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t L = cl[b];
       const int64_t j0 = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - j0;
@@ -138,31 +150,35 @@ static void qdecode_impl(float* op, const float* qp, const uint8_t* raw, int64_t
       for (int64_t bi = j0 / BS; bi * BS < L; ++bi) {
         const uint8_t* row = raw + table[bi] * ROW;
         const int64_t t0 = std::max(j0 - bi * BS, (int64_t)0), t1 = std::min(L - bi * BS, BS);
+        int64_t group = -1;
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t pos = bi * BS + t;
+          if (KIVI && pos < fs && t / GK != group) {  // this group's per-channel scales, converted once
+            group = t / GK;
+            const at::Half* ks = (const at::Half*)(row + kso) + group * KVH * D;
+            const at::Half* kz = (const at::Half*)(row + kzo) + group * KVH * D;
+            for (int64_t i = 0; i < KVH * D; ++i) { kscale[i] = (float)ks[i]; kzero[i] = (float)kz[i]; }
+          }
           for (int64_t kh = 0; kh < KVH; ++kh) {
             const float* k = kv.data();
             if (pos >= fs) {
               k = fsrc + (frows[b * FR + pos - fs] * KVH + kh) * D;
-            } else if (FMT == 0) {
+            } else if constexpr (!KIVI) {
               const uint8_t* c = row + ko + (t * KVH + kh) * D;
               const float ks = (float)((const at::Half*)(row + kso))[t * KVH + kh];
-              for (int64_t d = 0; d < D; ++d) kv[d] = lut[c[d]] * ks;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) kv[d] = decode(c, d) * ks;
             } else {
               const uint8_t* c = row + ko + (t * KVH + kh) * DP;
-              const int64_t gi = (t / GK) * KVH + kh;
-              const at::Half* ks = (const at::Half*)(row + kso) + gi * D;
-              const at::Half* kz = (const at::Half*)(row + kzo) + gi * D;
-              for (int64_t j = 0; j < DP; ++j)
-                for (int64_t i = 0; i < PER; ++i) {
-                  const int64_t d = j * PER + i;
-                  kv[d] = lut[c[j] * PER + i] * (float)ks[d] + (float)kz[d];
-                }
+              const float* ks = kscale.data() + kh * D;
+              const float* kz = kzero.data() + kh * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) kv[d] = decode(c, d) * ks[d] + kz[d];
             }
             float* st = s.data() + pos - j0;
             for (int64_t g = 0; g < G; ++g) {
               const int64_t h = kh * G + g;
-              st[h * n] = dot<0>(qb + h * D, k, D) * sc;
+              st[h * n] = dot<DC>(qb + h * D, k, D) * sc;
             }
           }
         }
@@ -172,8 +188,10 @@ static void qdecode_impl(float* op, const float* qp, const uint8_t* raw, int64_t
         float m = sh[0];
         for (int64_t i = 1; i < n; ++i) m = std::max(m, sh[i]);
         float sum = 0.f;
+#pragma omp simd reduction(+:sum)
         for (int64_t i = 0; i < n; ++i) { sh[i] = expf(sh[i] - m); sum += sh[i]; }
         const float inv = 1.f / sum;
+#pragma omp simd
         for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -183,19 +201,20 @@ static void qdecode_impl(float* op, const float* qp, const uint8_t* raw, int64_t
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t pos = bi * BS + t;
           for (int64_t kh = 0; kh < KVH; ++kh) {
-            if (FMT == 0) {
+            if constexpr (!KIVI) {
               const uint8_t* c = row + vo + (t * KVH + kh) * D;
               const float vs = (float)((const at::Half*)(row + vso))[t * KVH + kh];
-              for (int64_t d = 0; d < D; ++d) kv[d] = lut[c[d]] * vs;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) kv[d] = decode(c, d) * vs;
             } else {
               const uint8_t* c = row + vo + (t * KVH + kh) * DP;
               const at::Half* vs = (const at::Half*)(row + vso) + (t * KVH + kh) * NVG;
               const at::Half* vz = (const at::Half*)(row + vzo) + (t * KVH + kh) * NVG;
-              for (int64_t j = 0; j < DP; ++j)
-                for (int64_t i = 0; i < PER; ++i) {
-                  const int64_t d = j * PER + i;
-                  kv[d] = lut[c[j] * PER + i] * (float)vs[d / GV] + (float)vz[d / GV];
-                }
+              for (int64_t vg = 0; vg < NVG; ++vg) {
+                const float sv = (float)vs[vg], zv = (float)vz[vg];
+#pragma omp simd
+                for (int64_t d = vg * GV; d < (vg + 1) * GV; ++d) kv[d] = decode(c, d) * sv + zv;
+              }
             }
             for (int64_t g = 0; g < G; ++g) {
               const int64_t h = kh * G + g;
@@ -212,27 +231,39 @@ static void qdecode_impl(float* op, const float* qp, const uint8_t* raw, int64_t
   });
 }
 
+template <int CODE>
+static void qdecode_dispatch(int64_t D, auto args) {
+  if (D == 64) std::apply(qdecode_impl<CODE, 64>, args);
+  else if (D == 128) std::apply(qdecode_impl<CODE, 128>, args);
+  else std::apply(qdecode_impl<CODE, 0>, args);
+}
+
 void paged_decode_quant(torch::Tensor out, torch::Tensor q, torch::Tensor raw, std::vector<int64_t> offsets,
-                        int64_t fmt, torch::Tensor lut, int64_t per, int64_t gk, int64_t gv, int64_t block_size,
+                        int64_t code, torch::Tensor lut, int64_t gk, int64_t gv, int64_t block_size,
                         int64_t kv_heads, torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                         int64_t window, torch::Tensor full_src, torch::Tensor full_rows, torch::Tensor full_start) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && raw.is_contiguous() && lut.is_contiguous());
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous() && offsets.size() == 6);
   TORCH_CHECK(q.scalar_type() == at::kFloat && lut.scalar_type() == at::kFloat && raw.scalar_type() == at::kByte);
-  const bool kivi = fmt == 1;
+  const bool kivi = code == 4 || code == 2;
   if (kivi) TORCH_CHECK(full_src.is_contiguous() && full_rows.is_contiguous() && full_start.is_contiguous() &&
                         full_src.scalar_type() == at::kFloat);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   auto args = std::make_tuple(out.data_ptr<float>(), q.data_ptr<float>(), raw.data_ptr<uint8_t>(), raw.size(1),
                               offsets[0], offsets[1], offsets[2], offsets[3], offsets[4], offsets[5],
-                              lut.data_ptr<float>(), per, gk, gv, block_tables.data_ptr<int64_t>(),
+                              lut.data_ptr<float>(), gk, gv, block_tables.data_ptr<int64_t>(),
                               context_lens.data_ptr<int64_t>(), B, H, D, block_size, kv_heads,
                               block_tables.size(1), (float)scale, window,
                               kivi ? full_src.data_ptr<float>() : nullptr,
                               kivi ? full_rows.data_ptr<int64_t>() : nullptr,
                               kivi ? full_start.data_ptr<int64_t>() : nullptr, kivi ? full_rows.size(1) : (int64_t)0);
-  if (kivi) std::apply(qdecode_impl<1>, args);
-  else std::apply(qdecode_impl<0>, args);
+  switch (code) {
+    case 0: qdecode_dispatch<0>(D, args); break;
+    case 1: qdecode_dispatch<1>(D, args); break;
+    case 4: qdecode_dispatch<4>(D, args); break;
+    case 2: qdecode_dispatch<2>(D, args); break;
+    default: TORCH_CHECK(false, "unknown code ", code);
+  }
 }
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -288,6 +319,7 @@ def paged_decode_quant(out: torch.Tensor, q: torch.Tensor, store, layer: int, bl
     that group starts at [B])."""
     empty = torch.empty(0)
     src, rows, start = full if full is not None else (empty, empty, empty)
-    load().paged_decode_quant(out, q, store.raw[layer], store.offsets, 1 if store.kivi_group else 0, store.lut,
-                               store.codes_per_byte, store.kivi_group or 1, store.value_group, store.block_size,
+    code = store.bits if store.kivi_group else (1 if store.dtype == "int8" else 0)
+    load().paged_decode_quant(out, q, store.raw[layer], store.offsets, code, store.lut,
+                               store.kivi_group or 1, store.value_group, store.block_size,
                                store.num_kv_heads, block_tables, context_lens, scale, window or 0, src, rows, start)
