@@ -54,6 +54,21 @@ static inline float dot(const float* q, const float* k, int64_t Drt) {
   }
 }
 
+// Softmax of each of `rows` rows of `n` scores, in place.
+static inline void softmax_rows(float* s, int64_t rows, int64_t n) {
+  for (int64_t h = 0; h < rows; ++h) {
+    float* sh = s + h * n;
+    float m = sh[0];
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, sh[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+:sum)
+    for (int64_t i = 0; i < n; ++i) { sh[i] = expf(sh[i] - m); sum += sh[i]; }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
+  }
+}
+
 template <int64_t DC>
 static void decode_impl(float* op, const float* qp, const float* kp, const float* vp, const int64_t* bt,
                         const int64_t* cl, int64_t B, int64_t H, int64_t Drt, int64_t BS, int64_t KVH,
@@ -82,17 +97,7 @@ static void decode_impl(float* op, const float* qp, const float* kp, const float
           }
         }
       }
-      for (int64_t h = 0; h < H; ++h) {
-        float* sh = s.data() + h * n;
-        float m = sh[0];
-        for (int64_t i = 1; i < n; ++i) m = std::max(m, sh[i]);
-        float sum = 0.f;
-#pragma omp simd reduction(+:sum)
-        for (int64_t i = 0; i < n; ++i) { sh[i] = expf(sh[i] - m); sum += sh[i]; }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
-      }
+      softmax_rows(s.data(), H, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t bi = j0 / BS; bi * BS < L; ++bi) {
         const float* vb = vp + table[bi] * blk;
@@ -183,17 +188,7 @@ static void qdecode_impl(float* op, const float* qp, const uint8_t* raw, int64_t
           }
         }
       }
-      for (int64_t h = 0; h < H; ++h) {
-        float* sh = s.data() + h * n;
-        float m = sh[0];
-        for (int64_t i = 1; i < n; ++i) m = std::max(m, sh[i]);
-        float sum = 0.f;
-#pragma omp simd reduction(+:sum)
-        for (int64_t i = 0; i < n; ++i) { sh[i] = expf(sh[i] - m); sum += sh[i]; }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
-      }
+      softmax_rows(s.data(), H, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t bi = j0 / BS; bi * BS < L; ++bi) {
         const uint8_t* row = raw + table[bi] * ROW;
