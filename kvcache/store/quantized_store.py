@@ -24,6 +24,7 @@ import torch
 
 from kvcache.plan.kv_bytes import kv_dtype
 from kvcache.store.codecs import BITS, FP8, quantize_per_channel, quantize_per_token, unpack
+from kvcache.store.kv_store import KVStore
 
 
 @dataclass(slots=True)
@@ -180,7 +181,6 @@ def make_store(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: 
                compute_dtype: torch.dtype, device: str | torch.device,
                expected_bytes_per_token: int | None = None):
     """The store for `kv_cache_dtype` (a name from plan.kv_bytes.KV_DTYPES)."""
-    from kvcache.store.kv_store import KVStore
     spec = kv_dtype(kv_cache_dtype)
     if spec.scales == "none":
         return KVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, getattr(torch, spec.name), device,
