@@ -64,7 +64,6 @@ class QuantizedKVStore:
             g = self.kivi_group
             self.bits = BITS[spec.name]
             per = 8 // self.bits
-            self.codes_per_byte = per
             # byte -> its `per` codes as floats: unpacking is one gather, not a shift and mask per code
             self.lut = unpack(torch.arange(256, dtype=torch.uint8)[:, None], self.bits).to(device, compute_dtype)
             self.value_group = min(g, d)
@@ -77,7 +76,7 @@ class QuantizedKVStore:
                      "vz": (torch.float16, (bs, h, d // self.value_group))}
         else:
             code = FP8.get(spec.name, torch.int8)
-            self.codes_per_byte, self.value_group = 1, 1
+            self.value_group = 1
             self.lut = torch.arange(256, dtype=torch.uint8).view(code).to(device, compute_dtype)  # byte -> value
             parts = {"kd": (code, (bs, h, d)), "vd": (code, (bs, h, d)),
                      "ks": (torch.float16, (bs, h)), "vs": (torch.float16, (bs, h))}
