@@ -394,11 +394,8 @@ class LLMEngine:
             out = []
             table, private = self.kv.block_tables[seq_id], self.kv.private_blocks.get(seq_id, [])
             for s in range(0, n, chunk):
-                e = min(n, s + chunk)
-                if e > start:
-                    out.append(self.runner.score_chunk(token_ids[s:e], s, table, private, range(max(s, start) - s, e - s)))
-                else:
-                    self.runner.score_chunk(token_ids[s:e], s, table, private, range(0))
+                e = min(n, s + chunk)  # a chunk wholly before `start` gets an empty range of logit rows
+                out.append(self.runner.score_chunk(token_ids[s:e], s, table, private, range(max(s, start) - s, e - s)))
             return torch.cat(out)
         finally:
             self.kv.free(seq_id)

@@ -45,17 +45,13 @@ class KVStore:
 
     def gather(self, layer: int, block_ids: torch.Tensor, out_k: torch.Tensor | None = None,
                out_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `block_ids` ([N]) in the compute dtype, [N, block_size, kv_heads, head_dim] each
-        (into `out_k`/`out_v` when given: workspace buffers of that shape)."""
-        pair = []
-        for cache, out in ((self.k[layer], out_k), (self.v[layer], out_v)):
-            if self.exact:
-                pair.append(torch.index_select(cache, 0, block_ids, out=out) if out is not None
-                            else cache.index_select(0, block_ids))
-            else:
-                t = cache.index_select(0, block_ids)
-                pair.append(out.copy_(t) if out is not None else t.to(self.compute_dtype))
-        return pair[0], pair[1]
+        """K and V of `block_ids` ([N]) in the compute dtype, [N, block_size, kv_heads, head_dim] each. An exact
+        store writes them into `out_k`/`out_v` when given (workspace buffers of that shape); a narrower one widens
+        fresh copies."""
+        k, v = self.k[layer], self.v[layer]
+        if self.exact:
+            return torch.index_select(k, 0, block_ids, out=out_k), torch.index_select(v, 0, block_ids, out=out_v)
+        return k.index_select(0, block_ids).to(self.compute_dtype), v.index_select(0, block_ids).to(self.compute_dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""

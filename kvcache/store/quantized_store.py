@@ -141,8 +141,7 @@ class QuantizedKVStore:
             k16 = torch.cat([k16, self.flat16[layer].index_select(0, plan.resid_read).view(-1, *k.shape[1:])])
         return k16.to(k.dtype)
 
-    def gather(self, layer: int, block_ids: torch.Tensor, out_k: torch.Tensor | None = None,
-               out_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V of `block_ids` ([N]), [N, block_size, kv_heads, head_dim] each in the compute dtype.
 
         Slots not yet written (and, under KIVI, keys of groups not yet complete) hold stale finite values:
@@ -158,8 +157,6 @@ class QuantizedKVStore:
             v = self._codes(p["vd"]).view(n, self.block_size, h, -1, self.value_group)
             v = torch.addcmul(p["vz"].unsqueeze(-1).to(v.dtype), v, p["vs"].unsqueeze(-1).to(v.dtype))
             k, v = k.view(n, self.block_size, h, d), v.view(n, self.block_size, h, d)
-        if out_k is not None:
-            return out_k.copy_(k), out_v.copy_(v)
         return k, v
 
     def _codes(self, packed: torch.Tensor) -> torch.Tensor:
