@@ -7,6 +7,7 @@ import os
 import sys
 from dataclasses import fields
 
+from kvcache.compress.spec import POLICIES
 from kvcache.config import EngineConfig
 
 
@@ -33,6 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "int8, int4, int2 (fp8/int8 with a scale per token and head; int4/int2 KIVI)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-eviction", default="none", choices=list(POLICIES),
+                   help="token eviction policy: streaming (StreamingLLM), h2o, snapkv, tova, pyramidkv, random; "
+                        "compacted tokens' blocks go back to the pool (default none)")
+    p.add_argument("--kv-budget", default=None,
+                   help="KV tokens a request keeps under --kv-eviction: tokens (512), or a ratio of its prompt "
+                        "(0.25 or 25%%)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -81,6 +88,10 @@ def print_kv_summary(engine, out=None) -> None:
         print(f"prefix    : {info['prefix_caching']}; {info['prefix_cache_hits']:,} of {info['prefix_cache_queries']:,} "
               f"prompt tokens found cached ({info['prefix_cache_hit_rate']:.0%}); {info['cached_blocks']:,} blocks "
               f"cached, {info['prefix_cache_evictions']:,} evicted", file=out)
+    if info["kv_eviction"] != "none" or info["evicted_tokens"]:
+        print(f"eviction  : {info['kv_eviction']} (budget {info['kv_budget']}); {info['evicted_tokens']:,} tokens "
+              f"evicted in {info['eviction_compactions']:,} compactions, {info['eviction_freed_blocks']:,} blocks "
+              "returned to the pool", file=out)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

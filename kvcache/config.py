@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from kvcache.compress.spec import EvictionSpec, parse_budget
 from kvcache.plan.capacity import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from kvcache.plan.kv_bytes import KV_DTYPES, default_block_size, kv_dtype
 
@@ -57,6 +58,8 @@ class EngineConfig:
     # fp8_e5m2, int8, int4, int2 (aliases fp32, fp16, bf16, fp8)
     device: str = "auto"
     seed: int = 0
+    kv_eviction: str = "none"  # token eviction: none, streaming, h2o, snapkv, tova, pyramidkv, random
+    kv_budget: int | float | str | None = None  # KV tokens a request keeps (512) or a ratio of its prompt (0.25)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -89,8 +92,15 @@ class EngineConfig:
             raise ValueError(f"prefix_caching_algo must be hash or radix; got {self.prefix_caching_algo!r}")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be fcfs or lpm; got {self.scheduling_policy!r}")
+        self.kv_budget = parse_budget(self.kv_budget)
+        EvictionSpec(self.kv_eviction, self.kv_budget)  # raises on a bad policy or budget
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+
+    @property
+    def eviction(self) -> EvictionSpec:
+        """The eviction every request gets unless it asks for its own."""
+        return EvictionSpec(self.kv_eviction, self.kv_budget)
 
     def default_kv_budget(self) -> int:
         """KV bytes to allocate when kv_cache_memory is not given (CPU: 2 GiB, at most half of free RAM)."""

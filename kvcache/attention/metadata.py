@@ -26,6 +26,10 @@ class SeqChunk:
     block_table: list[int]
     needs_logits: bool = True
     private_blocks: list[int] = field(default_factory=list)  # KIVI: blocks holding the key residual
+    # Eviction: `start` counts cache slots; the tokens' positions are slots + pos_offset (tokens evicted so far)
+    pos_offset: int = 0
+    capture: range = range(0)  # chunk offsets whose queries the batch keeps (eviction scoring)
+    layer_start: list[int] | None = None  # per layer, block-aligned first live slot (PyramidKV)
 
 
 @dataclass(slots=True)
@@ -41,6 +45,12 @@ class DecodeGroup:
     # KIVI with the decode kernel: src rows of each sequence's current-group keys [B, F] (padded), and the
     # position that group starts at [B]
     full: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Eviction with per-layer live ranges: per layer, (block table, context lengths) that skip dead leading blocks
+    layer_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block table and context lengths of this group in `layer`."""
+        return self.layer_views[layer] if self.layer_views else (self.block_table, self.context_lens)
 
     @property
     def num_blocks(self) -> int:
@@ -72,6 +82,8 @@ class ForwardBatch:
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_kernel: bool = False  # decode rows go through the C++ CPU kernel (no groups, no masks)
     kivi: KiviPlan | None = None
+    capture_rows: torch.Tensor | None = None  # rows whose post-RoPE queries each layer appends to captured_q
+    captured_q: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -162,21 +174,24 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
     pos: list[int] = []
     slots: list[int] = []
     logit_rows: list[int] = []
-    decodes: list[tuple[int, int, list[int], list[int]]] = []  # (row, context_len, table, full src rows)
+    decodes: list[tuple[int, int, list[int], list[int], list[int] | None]] = []  # (row, context_len, table,
+    # full src rows, layer starts)
+    capture: list[int] = []
     prefills: list[PrefillSpan] = []
     kb = _KiviBuilder(kivi, block_size, sum(len(c.token_ids) for c in chunks)) if kivi else None
     for c in chunks:
         row, n = len(ids), len(c.token_ids)
         ids.extend(c.token_ids)
         p = range(c.start, c.start + n)
-        pos.extend(p)
+        pos.extend(range(c.start + c.pos_offset, c.start + c.pos_offset + n))
+        capture.extend(row + i for i in c.capture)
         slots.extend(c.block_table[i // block_size] * block_size + i % block_size for i in p)
         if c.needs_logits:
             logit_rows.append(row + n - 1)
         ctx = c.start + n
         full = kb.add(c, row) if kb else []
         if n == 1 and c.start > 0:
-            decodes.append((row, ctx, c.block_table, full))
+            decodes.append((row, ctx, c.block_table, full, c.layer_start))
             continue
         nb = -(-ctx // block_size)
         from_cache = c.start > 0 or read_cache
@@ -206,7 +221,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
             j += 1
         members = decodes[i:j]
         nb = -(-longest // block_size)
-        table = [t[:nb] + [0] * (nb - len(t[:nb])) for _, _, t, _ in members]
+        table = [t[:nb] + [0] * (nb - len(t[:nb])) for _, _, t, _, _ in members]
         ctx = torch.tensor([m[1] for m in members], device=device)[:, None]
         k_pos = torch.arange(nb * block_size, device=device)[None, :]
         dmasks = {w: _window_ok(ctx - 1, k_pos, w)[:, None, None, :] for w in windows} if not decode_kernel else {}
@@ -220,9 +235,22 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
             p_idx = [m[1] - len(m[3]) + k for m in members for k in range(len(m[3]))]
             overlay = tuple(torch.tensor(x, dtype=torch.long, device=device)
                             for x in (b_idx, p_idx, [r for m in members for r in m[3]]))
+        views = _layer_views(members, table, block_size, device) if any(m[4] for m in members) else None
         groups.append(DecodeGroup(torch.tensor([m[0] for m in members], device=device),
-                                  torch.tensor(table, device=device), ctx[:, 0].contiguous(), dmasks, overlay, full))
+                                  torch.tensor(table, device=device), ctx[:, 0].contiguous(), dmasks, overlay, full,
+                                  views))
         i = j
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ForwardBatch(as_long(ids), as_long(pos), as_long(slots), as_long(logit_rows), groups, prefills,
-                        decode_kernel, kb.plan(device) if kb else None)
+                        decode_kernel, kb.plan(device) if kb else None, as_long(capture) if capture else None)
+
+
+def _layer_views(members: list, table: list[list[int]], block_size: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the group's block tables and context lengths with each sequence's dead leading blocks cut off."""
+    num_layers = len(next(m[4] for m in members if m[4]))
+    views = []
+    for layer in range(num_layers):
+        skips = [(m[4][layer] if m[4] else 0) // block_size for m in members]
+        views.append((torch.tensor([t[s:] + [0] * s for t, s in zip(table, skips)], device=device),
+                      torch.tensor([m[1] - s * block_size for m, s in zip(members, skips)], device=device)))
+    return views

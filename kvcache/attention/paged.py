@@ -68,25 +68,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
     out = torch.empty_like(q)
     src = key_src
     for g in batch.decode_groups:
+        table, lens = g.view(layer)
         if batch.decode_kernel:
             o = ws.get("decode_out", (g.rows.numel(), H, D), q)
             if store.exact:
-                cpu_kernel.paged_decode(o, q.index_select(0, g.rows), store.k[layer], store.v[layer], g.block_table,
-                                        g.context_lens, scale, window)
+                cpu_kernel.paged_decode(o, q.index_select(0, g.rows), store.k[layer], store.v[layer], table,
+                                        lens, scale, window)
             else:
                 full = (src, *g.full) if g.full is not None else None
-                cpu_kernel.paged_decode_quant(o, q.index_select(0, g.rows), store, layer, g.block_table,
-                                              g.context_lens, scale, window, full)
+                cpu_kernel.paged_decode_quant(o, q.index_select(0, g.rows), store, layer, table, lens, scale, window,
+                                              full)
             out.index_copy_(0, g.rows, o)
             continue
         B, L = g.rows.numel(), g.num_blocks * store.block_size
-        kg, vg = _gather(store, layer, g.block_table.flatten(), ws, k)
+        mask = g.masks[window]
+        if g.layer_views:  # eviction left some layers' leading blocks dead: lengths differ per layer
+            mask = (torch.arange(L, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        kg, vg = _gather(store, layer, table.flatten(), ws, k)
         kg, vg = kg.view(B, L, kvh, D), vg.view(B, L, kvh, D)
         if g.overlay is not None:
             b, pos, rows = g.overlay
             kg[b, pos] = src.index_select(0, rows)
         qg = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=g.masks[window],
+        o = F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask,
                                            scale=scale, enable_gqa=gqa)
         out.index_copy_(0, g.rows, o.squeeze(2))
     for p in batch.prefills:

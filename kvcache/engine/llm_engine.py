@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
+from kvcache.engine.eviction import Evictor, seq_chunk
 from kvcache.engine.model_runner import ModelRunner
 from kvcache.engine.sampler import SamplingRow, sample
 from kvcache.engine.sampling_params import SamplingParams
@@ -17,7 +19,8 @@ from kvcache.engine.sequence import Sequence
 from kvcache.memory.block_pool import OutOfBlocksError
 from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
 from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
-from kvcache.plan.kv_bytes import CacheCapacity, cache_capacity, kv_formula, residual_bytes_per_seq
+from kvcache.models.llama import layer_windows
+from kvcache.plan.kv_bytes import KV_DTYPES, CacheCapacity, cache_capacity, kv_formula, residual_bytes_per_seq
 from kvcache.plan.shape import shape_from_config
 from kvcache.store.quantized_store import make_store
 
@@ -124,6 +127,10 @@ class LLMEngine:
         # Sized (and the format checked against the model) before weights or KV memory are allocated.
         self.capacity: CacheCapacity = cache_capacity(self.shape, self.kv_dtype, budget, config.block_size,
                                                       self.max_model_len)
+        self._sliding = any(w is not None for w in layer_windows(hf))
+        self._kivi_group = KV_DTYPES[self.kv_dtype].group if KV_DTYPES[self.kv_dtype].scales == "kivi" else 0
+        if config.eviction.enabled:
+            self._check_eviction(config.eviction)
         self.model = build_model(loaded, self.max_model_len, self.device, self.dtype)
         # One more physical block than the budget buys: block 0, the null block that pads tables.
         self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size,
@@ -134,6 +141,8 @@ class LLMEngine:
                                 self.capacity.bytes_per_token)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, self.store, self.kv, self.device)
+        self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.shape.num_kv_heads,
+                               self.model.layers[0].scale, self.device)
         self.eos_token_ids = self._eos_ids(hf)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
@@ -145,6 +154,16 @@ class LLMEngine:
                  c.total_bytes / 2**30, kv_formula(self.shape, self.kv_dtype),
                  f"; plus {c.seq_blocks} blocks per request for its fp16 key residual" if c.seq_blocks else "",
                  f"{c.max_model_len:,}", c.max_concurrency)
+
+    def _check_eviction(self, spec: EvictionSpec) -> None:
+        """ValueError if this engine cannot evict tokens under `spec`."""
+        if self._sliding:
+            raise ValueError(f"kv_eviction {spec.policy} is not supported on models with sliding-window layers: "
+                             "their masks count positions, and eviction changes which slot holds which position")
+        if self._kivi_group:
+            raise ValueError(f"kv_eviction {spec.policy} cannot be combined with kv_cache_dtype {self.kv_dtype}: it "
+                             f"quantizes keys in {self._kivi_group}-token groups, so tokens cannot be dropped one "
+                             "by one (use int8 or fp8)")
 
     def _default_budget(self) -> int:
         if self.device.type == "cuda":
@@ -164,11 +183,13 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    stream: bool = False, add_special_tokens: bool = True, cache_salt: str | None = None) -> None:
+                    stream: bool = False, add_special_tokens: bool = True, cache_salt: str | None = None,
+                    eviction: EvictionSpec | None = None) -> None:
         """Validate and queue a request. Raises ValueError (and changes nothing) if it can never run.
 
         `cache_salt`: prefixes are shared only between requests with the same salt (None is a salt
         of its own), so one tenant cannot learn another's prompts from cache timing.
+        `eviction`: this request's token eviction policy and budget (default: the engine's, --kv-eviction).
         """
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -195,12 +216,25 @@ class LLMEngine:
         if n_prompt + max_tokens > self.max_model_len:
             raise ValueError(f"prompt has {n_prompt:,} tokens and max_tokens is {max_tokens:,}: "
                              f"{n_prompt + max_tokens:,} is above max_model_len {self.max_model_len:,}")
-        need = blocks_for(n_prompt + max_tokens, self.config.block_size) + self.kv.seq_blocks
+        spec = eviction if eviction is not None else self.config.eviction
+        state = None
+        peak = n_prompt + max_tokens  # cache slots the request can hold at once
+        if spec.enabled:
+            self._check_eviction(spec)
+            if params.n > 1:
+                raise ValueError(f"n must be 1 with kv_eviction {spec.policy}, got {params.n}: the samples would "
+                                 "share a prompt cache that each compacts differently")
+            state = self.evictor.new_state(spec, n_prompt, params.seed if params.seed is not None else self.config.seed)
+            kept = max(state.policy.budgets(state, n_prompt))
+            grow = self.config.block_size if state.policy.decode else max_tokens
+            peak = min(peak, max(n_prompt, kept + grow))
+        need = blocks_for(peak, self.config.block_size) + self.kv.seq_blocks
         if need > self.kv.pool.num_usable:
-            raise ValueError(f"request needs {need:,} KV blocks ({n_prompt + max_tokens:,} tokens) but the whole "
+            raise ValueError(f"request needs {need:,} KV blocks ({peak:,} tokens) but the whole "
                              f"pool has {self.kv.pool.num_usable:,}; raise --kv-cache-memory or lower max_tokens")
         req = _Request(request_id, text, ids, params, [], RequestMetrics(time.monotonic()), stream, cache_salt)
         req.seqs.append(self._new_seq(req, 0, max_tokens))
+        req.seqs[0].eviction = state
         self.requests[request_id] = req
         self.stats.prompt_tokens += n_prompt
         self.scheduler.add(req.seqs[0])
@@ -254,10 +288,16 @@ class LLMEngine:
             if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:  # not a decode
                 self.stats.prefill_tokens_computed += n
         copies, self._pending_copies = self._pending_copies, []
-        sampled, logits = self.runner.execute(sched.chunks, copies)
-        for seq, n in sched.chunks:
+        sampled, logits, specs = self.runner.execute(sched.chunks, copies)
+        row = 0  # into the queries captured for eviction, in chunk order
+        for (seq, n), spec in zip(sched.chunks, specs):
             seq.num_computed_tokens += n
             self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.extra_key)
+            if seq.eviction:  # after cache_blocks: a compaction leaves the prompt's blocks to the prefix cache
+                r = len(spec.capture)
+                self.evictor.observe(seq.seq_id, seq.eviction, spec, [q[row:row + r] for q in self.runner.captured])
+                row += r
+                self.evictor.maybe_compact(seq.seq_id, seq.eviction, seq.num_computed_tokens)
         self.stats.steps += 1
         used = self.kv.pool.num_usable - self.kv.num_free_blocks
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
@@ -366,14 +406,17 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished, req.metrics)
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], start: int = 0, chunk_size: int | None = None) -> torch.Tensor:
+    def score(self, token_ids: list[int], start: int = 0, chunk_size: int | None = None,
+              eviction: EvictionSpec | None = None) -> torch.Tensor:
         """Teacher-forced logits: row i is the next-token distribution after `token_ids[:start + i + 1]`
         (fp32, [len(token_ids) - start, vocab]).
 
         The tokens go through the paged KV cache in prefill chunks of `chunk_size` (default
         max_num_batched_tokens), in the cache's storage format, as a request's prompt does; this is what
-        `kvcache eval` measures quantization with. Only while no request is unfinished; the blocks are
-        freed afterwards and nothing is added to the prefix cache.
+        `kvcache eval` measures quantization with. With `eviction`, `token_ids[:start + 1]` is the prompt:
+        prefilled in chunks and compacted as a request's would be; the other tokens then run one per step,
+        as decodes, so that decode-time policies evict as they go. Only while no request is unfinished; the
+        blocks are freed afterwards and nothing is added to the prefix cache.
         """
         if self.requests:
             raise RuntimeError(f"score needs an idle engine; {len(self.requests)} requests are unfinished")
@@ -386,16 +429,31 @@ class LLMEngine:
         chunk = chunk_size or self.config.max_num_batched_tokens
         if chunk < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk}")
+        state = None
+        if eviction is not None and eviction.enabled:
+            self._check_eviction(eviction)
+            state = self.evictor.new_state(eviction, start + 1, self.config.seed)
         seq_id = next(self._seq_ids)
-        if not self.kv.allocate(seq_id, n):
-            raise ValueError(f"{n:,} tokens need {self.kv.blocks_needed(seq_id, n):,} KV blocks; "
-                             f"{self.kv.num_free_blocks:,} are free")
         try:
-            out = []
-            table, private = self.kv.block_tables[seq_id], self.kv.private_blocks.get(seq_id, [])
-            for s in range(0, n, chunk):
-                e = min(n, s + chunk)  # a chunk wholly before `start` gets an empty range of logit rows
-                out.append(self.runner.score_chunk(token_ids[s:e], s, table, private, range(max(s, start) - s, e - s)))
+            out, done = [], 0
+            while done < n:
+                if state is None:
+                    e = min(n, done + chunk)
+                else:
+                    e = min(start + 1, done + chunk) if done <= start else done + 1
+                evicted = state.num_evicted if state else 0
+                need = n if state is None else e - evicted  # without eviction, all blocks before any forward
+                if not self.kv.allocate(seq_id, need):
+                    raise ValueError(f"{need:,} tokens need {self.kv.blocks_needed(seq_id, need):,} KV blocks; "
+                                     f"{self.kv.num_free_blocks:,} are free")
+                c = seq_chunk(token_ids[done:e], done - evicted, self.kv.block_tables[seq_id], True,
+                              self.kv.private_blocks.get(seq_id, []), state)
+                # a chunk wholly before `start` gets an empty range of logit rows
+                out.append(self.runner.run_chunk(c, range(max(done, start) - done, e - done)))
+                done = e
+                if state is not None:
+                    self.evictor.observe(seq_id, state, c, self.runner.captured)
+                    self.evictor.maybe_compact(seq_id, state, done)
             return torch.cat(out)
         finally:
             self.kv.free(seq_id)
@@ -421,6 +479,9 @@ class LLMEngine:
             "prefix_caching": kv.prefix_caching, "prefix_cache_queries": kv.stats.queries,
             "prefix_cache_hits": kv.stats.hits, "prefix_cache_hit_rate": kv.stats.hit_rate,
             "cached_blocks": kv.num_cached_blocks, "prefix_cache_evictions": kv.num_evictions,
+            "kv_eviction": self.config.kv_eviction, "kv_budget": self.config.kv_budget,
+            "evicted_tokens": self.evictor.stats.evicted_tokens, "eviction_freed_blocks": self.evictor.stats.freed_blocks,
+            "eviction_compactions": self.evictor.stats.compactions,
         }
 
     def reset_prefix_cache(self) -> int:

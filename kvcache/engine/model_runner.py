@@ -5,6 +5,7 @@ import torch
 
 from kvcache.attention.metadata import KiviLayout, SeqChunk, build_batch
 from kvcache.attention.paged import use_cpu_kernel
+from kvcache.engine.eviction import seq_chunk
 from kvcache.engine.sequence import Sequence
 from kvcache.memory.kv_cache_manager import KVCacheManager
 from kvcache.models.llama import LlamaModel
@@ -20,33 +21,36 @@ class ModelRunner:
         self.model, self.store, self.kv, self.device = model, store, kv, device
         self.decode_kernel = use_cpu_kernel(device, next(model.parameters()).dtype, store)
         self.kivi = None
+        self.captured: list[torch.Tensor] = []
         if store.kivi_group:
             self.kivi = KiviLayout(store.kivi_group, store.num_kv_heads * store.head_dim, store.row_elems)
 
-    def execute(self, chunks: list[tuple[Sequence, int]],
-                block_copies: list[tuple[int, int]]) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step. Returns the sequences that reached their last token and their fp32 logits [n, vocab]."""
+    def execute(self, chunks: list[tuple[Sequence, int]], block_copies: list[tuple[int, int]]
+                ) -> tuple[list[Sequence], torch.Tensor, list[SeqChunk]]:
+        """Run one step. Returns the sequences that reached their last token, their fp32 logits [n, vocab], and
+        the step's chunks (one per scheduled sequence; `self.captured` holds the queries eviction asked for)."""
         self.store.copy_blocks(block_copies)
         specs, sampled = [], []
         for seq, n in chunks:
             start = seq.num_computed_tokens
             last = start + n == seq.num_tokens
-            specs.append(SeqChunk(seq.token_ids[start:start + n], start, self.kv.block_tables[seq.seq_id], last,
-                                  self.kv.private_blocks.get(seq.seq_id, [])))
+            slot = start - seq.num_evicted
+            specs.append(seq_chunk(seq.token_ids[start:start + n], slot, self.kv.block_tables[seq.seq_id], last,
+                                   self.kv.private_blocks.get(seq.seq_id, []), seq.eviction))
             if last:
                 sampled.append(seq)
-        return sampled, self._forward(specs)
+        return sampled, self._forward(specs), specs
 
-    def score_chunk(self, token_ids: list[int], start: int, block_table: list[int], private_blocks: list[int],
-                    logit_rows: range) -> torch.Tensor:
-        """Run one prefill chunk of a sequence whose blocks are allocated; fp32 logits of `logit_rows` (chunk rows)."""
-        return self._forward([SeqChunk(token_ids, start, block_table, True, private_blocks)], logit_rows)
+    def run_chunk(self, chunk: SeqChunk, logit_rows: range) -> torch.Tensor:
+        """Run one chunk of a sequence whose blocks are allocated; fp32 logits of `logit_rows` (chunk rows)."""
+        return self._forward([chunk], logit_rows)
 
     def _forward(self, specs: list[SeqChunk], logit_rows: range | None = None) -> torch.Tensor:
         batch = build_batch(specs, self.store.block_size, self.model.windows, self.device, self.decode_kernel,
                             read_cache=not self.store.exact, kivi=self.kivi)
         if logit_rows is not None:
             batch.logits_indices = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        self.captured = batch.captured_q  # per layer [rows, H, D], in chunk order (eviction scoring)
         # Denormal floats run many times slower on x86 CPUs; flush them to zero during the
         # forward only, since the setting is process-wide and other code may rely on them.
         flush = self.device.type == "cpu" and torch.set_flush_denormal(True)

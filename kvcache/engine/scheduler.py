@@ -74,6 +74,8 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        if seq.eviction:  # recomputed from scratch: every token so far is its prompt now
+            seq.eviction.reset(seq.num_tokens)
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -91,7 +93,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
+            while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens - seq.num_evicted + n):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim.seq_id, 0)
                 self._preempt(victim)
@@ -112,7 +114,7 @@ class Scheduler:
                and len(self.waiting) <= LPM_MAX_QUEUE)
         order = list(self.waiting)
         if lpm:  # stable: FCFS among equals
-            hits = {s.seq_id: len(self.kv.find_prefix(s.seq_id, s.token_ids, s.extra_key)) for s in order}
+            hits = {s.seq_id: len(self.kv.find_prefix(s.seq_id, s.token_ids, s.extra_key, s.max_cached_prefix)) for s in order}
             order.sort(key=lambda s: -hits[s.seq_id])
         computing: set[int] = set()  # lpm: hashes of the first uncached block of each prompt admitted now
         bs = self.kv.block_size
@@ -121,7 +123,7 @@ class Scheduler:
                 break
             # Looked up again right before allocating: an admission earlier in this loop may have evicted
             # blocks of the prefix found while sorting.
-            prefix = self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key)
+            prefix = self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key, seq.max_cached_prefix)
             cached = len(prefix) * bs
             remaining = seq.num_tokens - cached
             n = min(remaining, budget)

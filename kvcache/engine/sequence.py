@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.compress.policy import EvictionState
 from kvcache.engine.sampling_params import SamplingParams
 
 
@@ -38,6 +39,17 @@ class Sequence:
     forked: bool = False
     extra_key: tuple = ()  # prefix-cache extra keys: (cache_salt,) when the request has one
     prefix_counted: bool = False  # its prefix lookup has been counted in the hit rate
+    eviction: EvictionState | None = None  # its eviction policy's state, if it has one
+
+    @property
+    def max_cached_prefix(self) -> int | None:
+        """Tokens it may take from the prefix cache (None: any); an eviction policy may need its queries run."""
+        return self.eviction.policy.cacheable_prefix(self.eviction) if self.eviction else None
+
+    @property
+    def num_evicted(self) -> int:
+        """Tokens evicted from its cache: its cache holds num_computed_tokens - num_evicted slots."""
+        return self.eviction.num_evicted if self.eviction else 0
 
     @property
     def num_tokens(self) -> int:

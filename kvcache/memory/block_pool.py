@@ -106,6 +106,13 @@ class BlockPool:
         self._cached[key.hash] = block
         return True
 
+    def uncache(self, block: int) -> None:
+        """Make `block` unfindable (its content is about to change); it keeps its holders."""
+        key = self.keys[block]
+        if key is not None:
+            del self._cached[key.hash]
+            self.keys[block] = None
+
     def lookup(self, block_hash: int) -> int | None:
         """The block cached under `block_hash`, if any (the caller verifies its key)."""
         return self._cached.get(block_hash)

@@ -68,6 +68,7 @@ class KVCacheManager:
         self.radix = RadixCache(self.pool, block_size) if prefix_caching == "radix" else None
         self.stats = PrefixCacheStats()
         self._seqs: dict[int, _SeqCache] = {}
+        self._compacted: set[int] = set()  # sequences whose blocks no longer match their tokens (eviction)
 
     # ---- capacity -----------------------------------------------------------------------------
 
@@ -120,15 +121,16 @@ class KVCacheManager:
             entry.hashes = chain_hashes(token_ids, self.block_size, entry.extra, entry.hashes)
         return entry.hashes
 
-    def find_prefix(self, seq_id: int, token_ids: list[int], extra: tuple = ()) -> list[int]:
+    def find_prefix(self, seq_id: int, token_ids: list[int], extra: tuple = (), max_tokens: int | None = None) -> list[int]:
         """Cached blocks holding the longest block-aligned prefix of `token_ids`, short of its last token
-        (which is recomputed so that there are logits to sample from).
+        (which is recomputed so that there are logits to sample from), and of at most `max_tokens` tokens.
 
         Takes no reference: pass the result to `allocate` in the same step.
         """
         if self.prefix_caching is None or seq_id in self.block_tables:
             return []
-        max_blocks = (len(token_ids) - 1) // self.block_size
+        limit = len(token_ids) - 1 if max_tokens is None else min(len(token_ids) - 1, max_tokens)
+        max_blocks = limit // self.block_size
         bs = self.block_size
         if self.radix:
             blocks, node = self.radix.match(token_ids[:max_blocks * bs], extra)
@@ -178,7 +180,7 @@ class KVCacheManager:
 
     def cache_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, extra: tuple = ()) -> None:
         """Register the full blocks of `seq_id` whose K/V are now computed, so later requests can share them."""
-        if self.prefix_caching is None:
+        if self.prefix_caching is None or seq_id in self._compacted:
             return
         entry = self._entry(seq_id, extra)
         table = self.block_tables[seq_id]
@@ -264,10 +266,49 @@ class KVCacheManager:
                 self.radix.lock(p.node)
         return copies
 
+    def compact(self, seq_id: int, num_tokens: int) -> tuple[list[int], list[int]] | None:
+        """Shrink the table of `seq_id` to `num_tokens` tokens for eviction's compaction.
+
+        Returns (old table, new table): the caller moves the surviving tokens from slots of the old
+        table to the first `num_tokens` slots of the new one before anything else is allocated. A block
+        of the old table is written in place only if the sequence holds it alone and it is not in the
+        prefix cache; a shared or cached block is never written (its survivors go to a fresh block and
+        it stays in the prefix cache, findable and reclaimable). Blocks short: in the hash index, own
+        cached blocks are taken out of it and written in place; None (and no change) if still short.
+        Afterwards the sequence's blocks no longer match its tokens, so none of them is cached again.
+        """
+        table = self.block_tables[seq_id]
+        n = blocks_for(num_tokens, self.block_size)
+        if n > len(table):
+            raise ValueError(f"cannot compact sequence {seq_id} to {num_tokens} tokens: it holds {len(table)} blocks")
+        pool = self.pool
+        own = [pool.ref_counts[b] == 1 and pool.keys[b] is None for b in table[:n]]
+        short = own.count(False) - self.num_free_blocks
+        if short > 0 and not self.radix:
+            cached_own = [i for i in range(n) if not own[i] and pool.ref_counts[table[i]] == 1]
+            if len(cached_own) < short:
+                return None
+            for i in cached_own[:short]:
+                pool.uncache(table[i])
+                own[i] = True
+        elif short > 0:
+            return None
+        fresh = iter(self._take_free(own.count(False)))
+        new = [b if ok else next(fresh) for b, ok in zip(table, own)]
+        kept = set(new)
+        pool.free([b for b in table[::-1] if b not in kept])
+        self.block_tables[seq_id] = new
+        entry = self._seqs.pop(seq_id, None)
+        if entry is not None and entry.locked:
+            self.radix.unlock(entry.node)
+        self._compacted.add(seq_id)
+        return table, new
+
     def free(self, seq_id: int) -> None:
         """Release every block of `seq_id` (no-op if it holds none); cached blocks stay findable."""
         table = self.block_tables.pop(seq_id, None)
         entry = self._seqs.pop(seq_id, None)
+        self._compacted.discard(seq_id)
         private = self.private_blocks.pop(seq_id, None)
         if private:
             self.pool.free(private)

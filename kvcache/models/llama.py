@@ -107,6 +107,8 @@ class DecoderLayer(nn.Module):
             q = F.rms_norm(q, (hd,), self.q_norm, self.eps)
             k = F.rms_norm(k, (hd,), self.k_norm, self.eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if batch.capture_rows is not None:  # eviction scores these queries after the forward
+            batch.captured_q.append(q.index_select(0, batch.capture_rows))
         src = store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
         o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
         x = self.o_proj(o.view(T, -1))

@@ -156,13 +156,15 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
         return await _generate(request, req, "chatcmpl", "chat.completion", [prompt], params)
 
     async def _generate(request: Request, req, prefix: str, kind: str, prompts: list[list[int]], params):
+        eviction = req.eviction(loop.engine.config.eviction)
         rid = f"{prefix}-{uuid.uuid4().hex}"
         out: asyncio.Queue = asyncio.Queue()
         ids = [f"{rid}-{i}" for i in range(len(prompts))]
         # No await between the queue-limit check and queueing every prompt: a burst cannot overshoot it.
         admit(len(prompts))
         try:
-            accepted = [loop.enqueue(sub_id, p, params, True, req.cache_salt, out)[1] for sub_id, p in zip(ids, prompts)]
+            accepted = [loop.enqueue(sub_id, p, params, True, req.cache_salt, out, eviction)[1]
+                        for sub_id, p in zip(ids, prompts)]
         except EngineDeadError as e:
             raise APIError(503, str(e), type="server_error", code="engine_dead") from None
         errors = [r for r in await asyncio.gather(*accepted, return_exceptions=True) if r is not None]
@@ -217,7 +219,7 @@ def _params(req, max_tokens):
         raise APIError(400, str(e), param=_param_of(str(e))) from None
 
 
-_FIELDS = set(SamplingParams.__dataclass_fields__) | {"cache_salt", "prompt"}
+_FIELDS = set(SamplingParams.__dataclass_fields__) | {"cache_salt", "prompt", "kv_eviction", "kv_budget"}
 
 
 def _param_of(message: str) -> str | None:

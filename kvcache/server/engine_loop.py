@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from kvcache.compress.spec import EvictionSpec
 from kvcache.engine.llm_engine import LLMEngine, RequestOutput
 from kvcache.engine.sampling_params import SamplingParams
 
@@ -74,7 +75,8 @@ class EngineLoop:
     # ---- called from asyncio handlers ----------------------------------------------------------------
 
     def enqueue(self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True,
-                cache_salt: str | None = None, out: asyncio.Queue | None = None) -> tuple[asyncio.Queue, asyncio.Future]:
+                cache_salt: str | None = None, out: asyncio.Queue | None = None,
+                eviction: EvictionSpec | None = None) -> tuple[asyncio.Queue, asyncio.Future]:
         """Queue a request without waiting (call it on the event loop): returns its output queue (`out`, or a new
         one: each RequestOutput, then (request_id, None) when it is done) and a future that settles once the
         engine has taken it, with the engine's ValueError if the prompt or parameters are bad."""
@@ -85,14 +87,15 @@ class EngineLoop:
             if self._closed or not self.alive:
                 raise EngineDeadError("the engine loop is not running")
             self._submitted += 1
-            self._commands.put(("add", request_id, prompt, params, add_special_tokens, cache_salt, stream, accepted))
+            self._commands.put(("add", request_id, prompt, params, add_special_tokens, cache_salt, eviction, stream,
+                                accepted))
         return stream.queue, accepted
 
     async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      add_special_tokens: bool = True, cache_salt: str | None = None,
-                     out: asyncio.Queue | None = None) -> asyncio.Queue:
+                     out: asyncio.Queue | None = None, eviction: EvictionSpec | None = None) -> asyncio.Queue:
         """`enqueue`, then wait until the engine has taken the request; raises what add_request raised."""
-        queue_, accepted = self.enqueue(request_id, prompt, params, add_special_tokens, cache_salt, out)
+        queue_, accepted = self.enqueue(request_id, prompt, params, add_special_tokens, cache_salt, out, eviction)
         await accepted
         return queue_
 
@@ -104,10 +107,11 @@ class EngineLoop:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, params, special, salt, stream, accepted = cmd
+            _, rid, prompt, params, special, salt, eviction, stream, accepted = cmd
             self._taken += 1
             try:
-                self.engine.add_request(rid, prompt, params, stream=True, add_special_tokens=special, cache_salt=salt)
+                self.engine.add_request(rid, prompt, params, stream=True, add_special_tokens=special, cache_salt=salt,
+                                        eviction=eviction)
             except Exception as e:  # the handler turns it into an HTTP error
                 stream.loop.call_soon_threadsafe(_settle, accepted, e)
                 return

@@ -29,6 +29,8 @@ KV cache health (ours):
 | `kvcache:kv_blocks{state}` | gauge | blocks; they sum to the pool (see below) |
 | `kvcache:kv_cache_bytes_per_token` | gauge | bytes one cached token costs in the storage format, scales included |
 | `kvcache:cache_config_info{...}` | gauge (1) | labels: block_size, cache_dtype, num_gpu_blocks, bytes_per_token, residual_blocks_per_seq (vLLM's name) |
+| `kvcache:kv_evicted_tokens_total` | counter | cache slots emptied by token eviction (--kv-eviction), per request |
+| `kvcache:kv_eviction_freed_blocks_total` | counter | blocks eviction's compactions returned to the pool |
 
 Block states: `used` is held by a sequence, `cached` is idle but holds a prefix a request can take
 back (an allocation may evict it), `free` is idle and empty.
@@ -99,6 +101,10 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Preemptions: sequences whose blocks were freed to be "
                                                       "recomputed later.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of submitted requests.")
+        self.evicted_tokens = counter("kv_evicted_tokens", "Cache slots emptied by token eviction (--kv-eviction), "
+                                                           "summed over requests.")
+        self.eviction_freed_blocks = counter("kv_eviction_freed_blocks", "KV blocks that token eviction's "
+                                                                         "compactions returned to the pool.")
         self.generation_tokens = counter("generation_tokens", "Generated (sampled) tokens.")
         self._success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
@@ -208,6 +214,8 @@ class ServerMetrics:
         lt["queries"] += self._advance("queries", self.prefix_queries, kv.stats.queries)
         lt["hits"] += self._advance("hits", self.prefix_hits, kv.stats.hits)
         self._advance("preemptions", self.preemptions, sched.num_preemptions)
+        self._advance("evicted", self.evicted_tokens, eng.evictor.stats.evicted_tokens)
+        self._advance("eviction_freed", self.eviction_freed_blocks, eng.evictor.stats.freed_blocks)
 
         running = {s.request_id for s in sched.running}
         waiting = {s.request_id for s in sched.waiting} - running
@@ -232,7 +240,7 @@ class ServerMetrics:
         for seq in sched.running:
             n = len(kv.block_tables.get(seq.seq_id, ())) * kv.block_size
             slots += n
-            filled += min(seq.num_computed_tokens, n)
+            filled += min(seq.num_computed_tokens - seq.num_evicted, n)
             lengths.append(seq.num_tokens)
         self.fragmentation.set((slots - filled) / slots if slots else 0.0)
         self.seq_len_mean.set(sum(lengths) / len(lengths) if lengths else 0.0)

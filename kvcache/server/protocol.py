@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvcache.compress.spec import EvictionSpec, parse_budget
 from kvcache.engine.sampling_params import SamplingParams
 
 
@@ -57,6 +58,20 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # kvcache's: this request's token eviction, overriding the server's --kv-eviction / --kv-budget
+    kv_eviction: str | None = None
+    kv_budget: int | float | str | None = None
+
+    def eviction(self, default: EvictionSpec) -> EvictionSpec | None:
+        """The request's eviction (None: the server's); APIError naming the field if it is bad."""
+        if self.kv_eviction is None and self.kv_budget is None:
+            return None
+        try:
+            budget = parse_budget(self.kv_budget) if self.kv_budget is not None else default.budget
+            return EvictionSpec(self.kv_eviction or default.policy, budget)
+        except ValueError as e:
+            param = "kv_eviction" if str(e).startswith("kv_eviction") else "kv_budget"
+            raise APIError(400, str(e), param=param) from None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The engine's parameters; raises ValueError naming the field that is out of range."""

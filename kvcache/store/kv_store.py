@@ -53,6 +53,11 @@ class KVStore:
             return torch.index_select(k, 0, block_ids, out=out_k), torch.index_select(v, 0, block_ids, out=out_v)
         return k.index_select(0, block_ids).to(self.compute_dtype), v.index_select(0, block_ids).to(self.compute_dtype)
 
+    def move_slots(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per KV head h, slot dst[h, i] takes the K/V of slot src[h, i] ([kv_heads, n] int64 each): eviction's
+        compaction. All reads happen before any write, so the ranges may overlap."""
+        move_slots([self.k[layer], self.v[layer]], src, dst, self.block_size)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
         if not pairs:
@@ -61,3 +66,10 @@ class KVStore:
         dst = torch.tensor([p[1] for p in pairs], device=self.k[0].device)
         for t in self.k + self.v:
             t.index_copy_(0, dst, t.index_select(0, src))
+
+
+def move_slots(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
+    """Per KV head, copy slots src -> dst in tensors shaped [blocks, block_size, kv_heads, ...] (views too)."""
+    heads = torch.arange(src.shape[0], device=src.device)[:, None]
+    for t in tensors:
+        t[dst // block_size, dst % block_size, heads] = t[src // block_size, src % block_size, heads]

@@ -24,7 +24,7 @@ import torch
 
 from kvcache.plan.kv_bytes import kv_dtype
 from kvcache.store.codecs import BITS, FP8, quantize_per_channel, quantize_per_token, unpack
-from kvcache.store.kv_store import KVStore
+from kvcache.store.kv_store import KVStore, move_slots
 
 
 @dataclass(slots=True)
@@ -162,6 +162,14 @@ class QuantizedKVStore:
     def _codes(self, packed: torch.Tensor) -> torch.Tensor:
         """Packed int4/int2 bytes [..., D * bits / 8] -> their codes as compute-dtype floats [..., D]."""
         return self.lut.index_select(0, packed.flatten().int()).view(*packed.shape[:-1], -1)
+
+    def move_slots(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per KV head, slot dst[h, i] takes the codes and scales of slot src[h, i] ([kv_heads, n] each). Per-token
+        formats only: a KIVI key group shares its scales across 64 tokens, so its tokens cannot move alone."""
+        if self.kivi_group:
+            raise ValueError(f"{self.dtype} quantizes keys in {self.kivi_group}-token groups: its tokens cannot be "
+                             "evicted one by one")
+        move_slots(list(self.parts[layer].values()), src, dst, self.block_size)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (a fork's partial block and private blocks)."""

@@ -1,0 +1,19 @@
+"""Random eviction: a floor for the scored policies.
+
+Each KV head of each layer keeps a uniformly random subset of the prompt, as RandomPress in NVIDIA kvpress
+(2024) does (no protected tokens), drawn from the request's own generator so results do not depend on the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcache.compress.policy import EvictionPolicy, EvictionState, KeysFn, top_slots
+
+
+class RandomEviction(EvictionPolicy):
+    name = "random"
+
+    def select(self, state: EvictionState, n: int, counts: list[int], keys: KeysFn, scale: float) -> list[torch.Tensor]:
+        scores = torch.rand(state.num_layers, state.num_kv_heads, n, generator=state.generator)
+        keep_from = state.prompt_len if state.prompt_len < n else None  # tokens after the prompt (a retry) stay
+        return [top_slots(s, c, keep_from) for s, c in zip(scores, counts)]

@@ -1,0 +1,82 @@
+"""What a request asks of eviction: a policy and a KV budget, validated before anything runs."""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+POLICIES = ("none", "streaming", "h2o", "snapkv", "tova", "pyramidkv", "random")
+SINK_TOKENS = 4  # StreamingLLM's attention sinks (its paper and code use 4)
+WINDOW = 32  # SnapKV/PyramidKV observation window, in prompt tokens (SnapKV's default configuration)
+
+
+def min_budget(policy: str) -> tuple[int, str]:
+    """The smallest budget (tokens) `policy` can work with, and why."""
+    if policy == "streaming":
+        return SINK_TOKENS + 1, f"its {SINK_TOKENS} sink tokens plus one recent token"
+    if policy in ("snapkv", "pyramidkv"):
+        return WINDOW + 1, f"its {WINDOW}-token observation window plus one selected token"
+    if policy == "h2o":
+        return 2, "one heavy-hitter and one recent token"
+    return 1, "one token"
+
+
+def parse_budget(value: str | int | float | None) -> int | float | None:
+    """'512' -> 512 tokens; '0.25' or '25%' -> 0.25 of the prompt; None stays None."""
+    if value is None or isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return value
+    s = str(value).strip()
+    try:
+        if s.endswith("%"):
+            return float(s[:-1]) / 100
+        return int(s) if s.isdigit() else float(s)
+    except ValueError:
+        raise ValueError(f"kv_budget {value!r} cannot be read: give tokens (512), a ratio of the prompt (0.25) "
+                         "or a percentage (25%)") from None
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionSpec:
+    """A request's eviction policy and budget.
+
+    budget: KV tokens a sequence keeps per layer and KV head, as an int (tokens) or a float ratio in (0, 1]
+    of its prompt. The cache holds the whole prompt while it is prefilled, then is compacted to the budget;
+    policies that also evict while decoding let it grow one block past the budget before compacting again.
+    """
+
+    policy: str = "none"
+    budget: int | float | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"kv_eviction {self.policy!r} is not a policy; supported: {', '.join(POLICIES)}")
+        b = self.budget
+        if self.policy == "none":
+            return
+        if b is None:
+            raise ValueError(f"kv_budget is needed by kv_eviction {self.policy}: tokens (--kv-budget 512) or a ratio "
+                             "of the prompt (--kv-budget 0.25)")
+        if isinstance(b, bool) or not isinstance(b, numbers.Real):
+            raise ValueError(f"kv_budget must be a number of tokens or a ratio, got {b!r}")
+        if isinstance(b, numbers.Integral):
+            if b < 1:
+                raise ValueError(f"kv_budget must be at least 1 token, got {b}")
+        elif not 0 < b <= 1:
+            raise ValueError(f"kv_budget as a ratio of the prompt must be in (0, 1], got {b}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "none"
+
+    def tokens(self, prompt_len: int) -> int:
+        """The budget in tokens for a prompt of `prompt_len` tokens; ValueError (with the numbers) if the
+        policy cannot work with it."""
+        b = self.budget
+        if isinstance(b, numbers.Integral):
+            n, what = int(b), f"kv_budget {int(b):,} tokens"
+        else:
+            n = int(b * prompt_len)
+            what = f"kv_budget {b:g} of a {prompt_len:,}-token prompt ({n:,} tokens)"
+        need, why = min_budget(self.policy)
+        if n < need:
+            raise ValueError(f"{what} is below {self.policy}'s minimum of {need}: {why}")
+        return n
