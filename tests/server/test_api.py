@@ -116,6 +116,18 @@ def test_token_id_prompts_and_several_prompts(client, offline):
     assert both.choices[0].text == both.choices[1].text == by_text.choices[0].text
 
 
+def test_per_request_eviction(client, offline):
+    """kv_eviction / kv_budget in the body: a budget covering the request changes nothing; a small one evicts."""
+    prompt = " ".join(f"w{i}" for i in range(5, 105))
+    ref = _ref(offline, prompt, max_tokens=8, temperature=0, ignore_eos=True)
+    same = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={
+        "ignore_eos": True, "kv_eviction": "snapkv", "kv_budget": 1.0})
+    assert same.choices[0].text == ref.outputs[0].text
+    small = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={
+        "ignore_eos": True, "kv_eviction": "streaming", "kv_budget": "16"})
+    assert small.usage.completion_tokens == 8
+
+
 def test_tokenize_detokenize(live, offline):
     h = {"Authorization": f"Bearer {API_KEY}"}
     r = httpx.post(f"{live.url}/tokenize", json={"prompt": PROMPT}, headers=h).json()
@@ -159,6 +171,14 @@ BAD = [
     ("/v1/completions", {"model": "gpt-4", "prompt": PROMPT}, 404, ["gpt-4", MODEL], "model"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "echo": True}, 400, ["echo"], "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "cache_salt": ""}, 400, ["cache_salt"], "cache_salt"),
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_eviction": "lru", "kv_budget": 4}, 400,
+     ["kv_eviction 'lru' is not a policy", "snapkv"], "kv_eviction"),
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_eviction": "h2o", "kv_budget": 1.5}, 400,
+     ["(0, 1], got 1.5"], "kv_budget"),
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_eviction": "snapkv", "kv_budget": 0.5}, 400,
+     ["below snapkv's minimum of 33"], "kv_budget"),
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_eviction": "h2o"}, 400, ["kv_budget is needed"],
+     "kv_budget"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, ["messages"], "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, ["role"], None),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, ["messages"], "messages"),

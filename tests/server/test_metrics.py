@@ -154,6 +154,18 @@ def test_preemptions_are_counted(tiny_llama):
     assert s["kvcache:generation_tokens_total"] == 300
 
 
+def test_eviction_is_counted(tiny_llama):
+    from kvcache.compress.spec import EvictionSpec
+    engine = LLM(tiny_llama, kv_cache_memory="2MiB", block_size=16, kv_eviction="streaming", kv_budget=32).engine
+    m = ServerMetrics(engine, MODEL)
+    engine.add_request("a", prompt(100), greedy(20), stream=True)  # 100 -> 32 slots; then 48 -> 32 while decoding
+    engine.add_request("b", prompt(100, 120), greedy(4), stream=True, eviction=EvictionSpec("none"))
+    run_to_end(engine, m)
+    s = samples(m)
+    assert s["kvcache:kv_evicted_tokens_total"] == 68 + 16 == engine.evictor.stats.evicted_tokens
+    assert s["kvcache:kv_eviction_freed_blocks_total"] == 5 + 1 == engine.evictor.stats.freed_blocks
+
+
 def test_log_line_covers_the_time_since_the_previous_line(engine):
     m = ServerMetrics(engine, MODEL)
     t0 = time.monotonic()
