@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install demo test bench eval clean
+.PHONY: install demo test bench eval eval-eviction clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ bench: install
 
 eval: install
 	$(VENV)/bin/kvcache eval kv-quality --json results/kv_quality.json --plot results/kv_quality.png
+
+eval-eviction: install
+	$(VENV)/bin/kvcache eval eviction --json results/kv_eviction.json --plot results/kv_eviction.png
 
 clean:
 	rm -rf $(VENV) results

@@ -413,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
                           "dtype against the float32 cache")
     add_kvq_args(kq)
     kq.set_defaults(func=run_kvq)
+    from kvcache.eval.eviction import add_args as add_ev_args, run as run_ev
+    ke = evsub.add_parser("eviction", help="KL, top-1, perplexity, passkey retrieval, memory and throughput of each "
+                          "KV eviction policy and budget against the full cache")
+    add_ev_args(ke)
+    ke.set_defaults(func=run_ev)
 
     args = parser.parse_args(argv)
     try:

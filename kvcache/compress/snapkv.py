@@ -20,12 +20,14 @@ from kvcache.compress.spec import WINDOW
 KERNEL = 5
 
 
-def window_scores(state: EvictionState, n: int, keys: KeysFn, scale: float) -> list[torch.Tensor]:
-    """Pooled observation-window attention over the n cached tokens, per layer [KVH, n]."""
+def window_scores(state: EvictionState, n: int, prefix: int, keys: KeysFn, scale: float) -> list[torch.Tensor]:
+    """Observation-window attention over the first `prefix` of the n cached tokens, pooled along them (the
+    window's own tokens are kept anyway and take no part in the pooling, as in the reference), per layer
+    [KVH, prefix]."""
     queries, slots = windowed_queries(state)
     out = []
     for layer, q in enumerate(queries):
-        p = attention_probs(q, keys(layer, n), slots, scale).mean(1)  # [H, n]
+        p = attention_probs(q, keys(layer, n), slots, scale).mean(1)[:, :prefix]  # [H, prefix]
         p = F.avg_pool1d(p[:, None], KERNEL, stride=1, padding=KERNEL // 2)[:, 0]
         out.append(group_mean(p, state.num_kv_heads))
     return out
@@ -48,7 +50,7 @@ class SnapKV(EvictionPolicy):
         keep_queries(state, queries, slots, append=True)
 
     def select(self, state: EvictionState, n: int, counts: list[int], keys: KeysFn, scale: float) -> list[torch.Tensor]:
-        scores = window_scores(state, n, keys, scale)
         keep_from = state.prompt_len - WINDOW  # the window, and anything cached after the prompt
+        scores = window_scores(state, n, keep_from, keys, scale)
         state.queries, state.query_slots = [], []
-        return [top_slots(s, c, keep_from) for s, c in zip(scores, counts)]
+        return [top_slots(F.pad(s, (0, n - keep_from)), c, keep_from) for s, c in zip(scores, counts)]

@@ -74,6 +74,49 @@ def test_streaming_equals_transformers_with_the_evicted_tokens_masked(engine, ti
     assert (ours - full).abs().max() > 1e-2  # the oracle can tell eviction from no eviction
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "pyramidkv", "h2o", "random"])
+def test_per_head_and_per_layer_compaction_equals_transformers_masking(engine, tiny_llama, monkeypatch, policy):
+    """Each KV head (and, for pyramidkv, each layer, with its dead leading blocks) attends to exactly the
+    tokens its policy kept: transformers with those tokens masked per layer and head gives the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcache.compress.registry import POLICY_CLASSES
+    cls, kept = POLICY_CLASSES[policy], []
+    select = cls.select
+
+    def recording(self, *args):
+        out = select(self, *args)
+        kept.append([k.clone() for k in out])
+        return out
+    monkeypatch.setattr(cls, "select", recording)
+    P, K, B = 100, 12, 48  # K < one block: one compaction, at the end of the prompt
+    toks = _tokens(P + K, 3)
+    ours = engine.score(toks, P - 1, eviction=EvictionSpec(policy, B))
+    assert len(kept) == 1
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation="eager").eval()
+    T, H = P + K, hf.config.num_attention_heads
+    group = H // hf.config.num_key_value_heads
+    causal = torch.ones(T, T).tril().bool()
+    masks = []
+    for slots in kept[0]:  # per layer: [kv_heads, kept]
+        ok = causal.clone().expand(H, T, T).clone()
+        for h in range(H):
+            visible = torch.zeros(T, dtype=torch.bool)
+            visible[slots[h // group]] = True
+            visible[P:] = True
+            ok[h, P:] &= visible
+        masks.append(torch.zeros(1, H, T, T).masked_fill(~ok, float("-inf")))
+    assert policy != "pyramidkv" or kept[0][0].shape[1] > kept[0][1].shape[1]  # layers keep different counts
+    for layer, mask in zip(hf.model.layers, masks):
+        forward = layer.self_attn.forward
+        monkeypatch.setattr(layer.self_attn, "forward",
+                            lambda *a, _f=forward, _m=mask, **kw: _f(*a, **{**kw, "attention_mask": _m}))
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks])).logits[0, P - 1:]
+    torch.testing.assert_close(ours[:K], ref[:K], atol=1e-4, rtol=0)
+    assert (ours - engine.score(toks, P - 1)).abs().max() > 1e-3
+
+
 def _prefill(eng: LLMEngine, rid: str, prompt: list[int], spec: EvictionSpec, max_tokens: int = 40):
     eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), eviction=spec)
     seq = eng.requests[rid].seqs[0]

@@ -1,0 +1,592 @@
+"""`kvcache eval eviction`: what each token eviction policy costs in quality and buys in memory and throughput.
+
+Every policy (streaming, h2o, snapkv, tova, pyramidkv, random; compress/) is compared with the full cache
+(no eviction) in the same run, on the same model (the SmolLM2-135M demo model unless `--model`), loaded
+once; the quality and passkey parts run on one engine with a float32 cache, so that only eviction differs.
+Budgets are ratios of the prompt (`--budgets`, default 0.5, 0.25, 0.125): the tokens a request keeps per
+layer and KV head once its prompt is in the cache.
+
+- quality: `--num-docs` documents of the shipped corpus (corpus.py). The first `--context-len` tokens are
+  the prompt: prefilled in chunks of `--chunk-size`, then compacted to the budget (`LLMEngine.score` with
+  an EvictionSpec). The next `--continuation` tokens are teacher-forced one per engine step, as decodes,
+  so policies that evict while decoding (streaming, h2o, tova) keep evicting; snapkv, pyramidkv and random
+  evict once, at the end of the prompt, and their cache then grows from the budget. Each continuation
+  position is scored against the full cache: KL(P_full || P_policy) in nats, top-1 agreement (equal argmax
+  tokens), and the perplexity of the actual next tokens with its change in percent.
+- passkey retrieval (Mohtashami & Jaggi, 2023): `--passkeys-per-depth` keys at each of `--depths` in chat-
+  template prompts of about `--passkey-len` tokens (as `kvcache eval kv-quality`'s). A prompt is split
+  into its context (instruction, filler, key sentence, filler) and its question (" What is the pass key?",
+  the end of the chat template, "The pass key is"), each tokenized alone. The expected answer is the full
+  cache's greedy reply (8 tokens at most) up to the token that completes the key; a trial whose full-
+  cache reply lacks the key is a baseline miss, counted and left out. A trial is correct for a policy if,
+  teacher-forced over context + question + answer, the argmax at every answer position is the answer's
+  token: exactly "greedy decoding reproduces the answer". Two settings:
+  query-agnostic: the cache is compacted at the end of the context, before the question is seen (the
+  budget is a ratio of the context); the question then runs as decodes. The compression cannot know what
+  will be asked, as when one compressed document serves many questions.
+  query-aware: the question is part of the compressed prompt (the budget is a ratio of context +
+  question), inside SnapKV's 32-token observation window, as when a request is compressed on arrival.
+  StreamingLLM keeps its 4 sink tokens and the most recent ones: it cannot retrieve a key that is in
+  neither (at depth 1 the key may still sit in its recent window).
+- memory and throughput, measured by the engine: `--capacity-requests` requests of
+  `--capacity-prompt-len` random tokens, each generating `--capacity-max-tokens` (greedy), are all
+  submitted at once to an engine with a `--capacity-memory` float32 pool, and run to the end: once
+  without eviction, once per policy at `--capacity-budget`, and snapkv at each of `--budgets` (memory
+  against budget). Each request still prefills its whole prompt before it is compacted, so the pool must
+  hold one prompt; afterwards each holds its budget ("held tokens/request"), which frees blocks for more
+  requests. Reported: the peak number of requests decoding at once, peak used blocks, wall time, output
+  tokens/s, tokens evicted and blocks freed, preemptions, and the ratios of requests and throughput over
+  no eviction. snapkv and pyramidkv (and random) do not evict while decoding: their cache grows from the
+  budget by up to `--capacity-max-tokens`. All layers share one block table, so pyramidkv holds its
+  layer-0 budget (the largest of its per-layer budgets), not the average: that is its memory.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from kvcache.eval.corpus import (PASSKEY_ANSWER, PASSKEY_QUESTION, document_windows, load_corpus, passkey_keys,
+                                 passkey_prompt)
+from kvcache.eval.kv_quality import QualityStats, _fmt, build_engine, pool_bytes, ppl_delta_pct
+
+if TYPE_CHECKING:  # torch is imported where it is used: `kvcache plan` loads kvcache.eval modules torch-free
+    from kvcache.compress.spec import EvictionSpec
+
+DEFAULT_POLICIES = "streaming,h2o,snapkv,tova,pyramidkv,random"
+DEFAULT_BUDGETS = "0.5,0.25,0.125"
+FULL = "full cache"
+SWEEP_POLICY = "snapkv"  # the policy whose memory is measured at every budget
+ANSWER_MAX_TOKENS = 8  # the full cache's reply; a 5-digit key takes 6 tokens at most with the demo tokenizer
+Setting = Literal["query_agnostic", "query_aware"]
+SETTINGS: tuple[Setting, ...] = ("query_agnostic", "query_aware")
+
+
+def held_tokens(spec: EvictionSpec, prompt_len: int, num_layers: int) -> int:
+    """KV tokens a request with a `prompt_len`-token prompt holds right after its compaction: the budget,
+    or for pyramidkv its layer-0 budget (all layers share one block table, so the largest counts)."""
+    from kvcache.compress.pyramidkv import layer_budgets
+    if not spec.enabled:
+        return prompt_len
+    budget = spec.tokens(prompt_len)
+    if spec.policy == "pyramidkv":
+        return layer_budgets(budget, prompt_len, num_layers)[0]
+    return min(budget, prompt_len)
+
+
+# ---- quality --------------------------------------------------------------------------------------------
+
+def evaluate_quality(engine, docs: list[list[int]], context_len: int, specs: list[EvictionSpec],
+                     chunk_size: int | None = None, progress: bool = False) -> tuple[QualityStats, list[QualityStats]]:
+    """Score the continuation of every document with the full cache and with each spec of `specs`.
+
+    Each document's first `context_len` tokens are the prompt (compacted to the spec's budget once
+    prefilled); the rest run one per step as decodes and are scored: len(doc) - context_len positions.
+    The full cache is compared with itself too (KL 0, top-1 1: a check of the metrics).
+    """
+    import torch
+    from tqdm import tqdm
+    base = QualityStats()
+    stats = [QualityStats() for _ in specs]
+    bar = tqdm(total=len(docs) * (1 + len(specs)), desc="quality", disable=not progress, file=sys.stderr)
+    for ids in docs:
+        if not 1 <= context_len < len(ids):
+            raise ValueError(f"a context of {context_len:,} tokens must leave continuation tokens to score in a "
+                             f"{len(ids):,}-token document")
+        targets = torch.tensor(ids[context_len:])
+        ref = engine.score(ids[:-1], start=context_len - 1, chunk_size=chunk_size)
+        base.add(ref, ref, targets)
+        bar.update(1)
+        for s, spec in zip(stats, specs):
+            s.add(ref, engine.score(ids[:-1], start=context_len - 1, chunk_size=chunk_size, eviction=spec), targets)
+            bar.update(1)
+        del ref
+    bar.close()
+    return base, stats
+
+
+# ---- passkey retrieval ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SplitTrial:
+    """One passkey prompt cut before its question: the key, its depth (0..1), and the token ids of the
+    context (instruction, filler, key sentence, filler) and of the question (question, end of the chat
+    template, start of the answer), tokenized separately. `joint`: whether tokenizing the whole prompt
+    at once gives the same ids (a merge across the cut would differ)."""
+
+    depth: float
+    key: int
+    context_ids: list[int]
+    question_ids: list[int]
+    joint: bool = True
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.context_ids + self.question_ids
+
+
+def split_passkey_text(text: str) -> tuple[str, str]:
+    """A passkey prompt's text cut right before " What is the pass key?": (context, question)."""
+    at = text.rfind(" " + PASSKEY_QUESTION)
+    if at < 0:
+        raise ValueError(f"the passkey prompt has no {PASSKEY_QUESTION!r}: cannot split it")
+    return text[:at], text[at:]
+
+
+def split_passkey_trials(tokenizer, depths: list[float], per_depth: int, length: int, seed: int = 0) -> list[SplitTrial]:
+    """The chat-template passkey prompts of `kvcache eval kv-quality` (`per_depth` keys at each depth, about
+    `length` tokens each, the same keys for a seed), each split into context and question tokens."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template: the passkey prompts need one")
+
+    def wrap(text: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False) + PASSKEY_ANSWER
+
+    def encode(text: str) -> list[int]:  # the template writes its special tokens itself
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    trials = []
+    for d, k in passkey_keys(depths, per_depth, seed):
+        text = passkey_prompt(k, d, length, lambda s: len(encode(s)), wrap)
+        context, question = split_passkey_text(text)
+        ctx, q = encode(context), encode(question)
+        trials.append(SplitTrial(d, k, ctx, q, ctx + q == encode(text)))
+    return trials
+
+
+def answer_tokens(tokenizer, key: int, output_ids: list[int]) -> list[int] | None:
+    """The shortest prefix of `output_ids` whose text contains `key`, or None if the whole output lacks it."""
+    for n in range(1, len(output_ids) + 1):
+        if str(key) in tokenizer.decode(output_ids[:n], skip_special_tokens=True):
+            return output_ids[:n]
+    return None
+
+
+def full_cache_answers(engine, trials: list[SplitTrial], max_tokens: int = ANSWER_MAX_TOKENS) -> list[list[int] | None]:
+    """Greedy replies of the full cache (all trials in one batch), cut after the key; None where the reply
+    lacks the key (a baseline miss)."""
+    from kvcache.engine.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"answer-{i}" for i in range(len(trials))]
+    for rid, t in zip(ids, trials):
+        engine.add_request(rid, t.token_ids, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    engine.check_no_leaks()
+    return [answer_tokens(engine.tokenizer, t.key, list(done[rid])) for rid, t in zip(ids, trials)]
+
+
+def reproduces(engine, trial: SplitTrial, answer: list[int], setting: Setting, spec: EvictionSpec | None = None,
+               chunk_size: int | None = None) -> bool:
+    """Whether greedy decoding reproduces `answer` after `trial`'s prompt: teacher-forced over context +
+    question + answer, the argmax at every answer position is the answer's token.
+
+    The prompt `spec` compacts is the context (query_agnostic; the question then runs as decodes) or the
+    context and the question (query_aware); spec None is the full cache.
+    """
+    if not answer:
+        raise ValueError("the expected answer is empty")
+    if setting not in SETTINGS:
+        raise ValueError(f"passkey setting must be one of {', '.join(SETTINGS)}, got {setting!r}")
+    ids = trial.token_ids + answer
+    prompt = len(trial.context_ids) if setting == "query_agnostic" else len(trial.token_ids)
+    logits = engine.score(ids[:-1], start=prompt - 1, chunk_size=chunk_size, eviction=spec)
+    # row r predicts ids[prompt + r]; the answer starts at len(trial.token_ids)
+    return logits[len(trial.token_ids) - prompt:].argmax(-1).tolist() == answer
+
+
+def _accuracy(trials: list[SplitTrial], correct: list[bool]) -> dict:
+    by_depth: dict[str, list[bool]] = {}
+    for t, ok in zip(trials, correct):
+        by_depth.setdefault(f"{t.depth:g}", []).append(ok)
+    return {"acc": sum(correct) / len(correct) if correct else None, "correct": sum(correct),
+            "by_depth": {d: sum(v) / len(v) for d, v in by_depth.items()}}
+
+
+def evaluate_passkey(engine, trials: list[SplitTrial], answers: list[list[int] | None], specs: list[EvictionSpec],
+                     chunk_size: int | None = None, progress: bool = False) -> tuple[dict, list[dict]]:
+    """Accuracy of the full cache (teacher-forced: a check that it reproduces its own replies) and of each
+    spec in both settings, over the trials with an answer: ({"acc", "correct", "by_depth"}, per spec
+    {setting: the same})."""
+    from tqdm import tqdm
+    valid = [(t, a) for t, a in zip(trials, answers) if a is not None]
+    kept = [t for t, _ in valid]
+    bar = tqdm(total=len(valid) * (1 + 2 * len(specs)), desc="passkey", disable=not progress, file=sys.stderr)
+    full = []
+    for t, a in valid:
+        full.append(reproduces(engine, t, a, "query_agnostic", None, chunk_size))
+        bar.update(1)
+    runs = []
+    for spec in specs:
+        run = {}
+        for setting in SETTINGS:
+            correct = []
+            for t, a in valid:
+                correct.append(reproduces(engine, t, a, setting, spec, chunk_size))
+                bar.update(1)
+            run[setting] = _accuracy(kept, correct)
+        runs.append(run)
+    bar.close()
+    return _accuracy(kept, full), runs
+
+
+# ---- memory and throughput ------------------------------------------------------------------------------
+
+def random_prompts(engine, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of `length` uniformly random token ids, none of them special or end-of-sequence."""
+    import numpy as np
+    vocab = engine.model.config.vocab_size
+    special = set(getattr(engine.tokenizer, "all_special_ids", []) or []) | engine.eos_token_ids
+    allowed = np.setdiff1d(np.arange(vocab), np.array(sorted(special), dtype=np.int64))
+    rng = np.random.default_rng(seed)
+    return [allowed[rng.integers(0, len(allowed), length)].tolist() for _ in range(count)]
+
+
+def measure_throughput(engine, prompts: list[list[int]], max_tokens: int, spec: EvictionSpec | None) -> dict:
+    """Submit every prompt at once (greedy, `max_tokens` each, `spec`'s eviction) to a fresh engine and
+    step to the end: the peak number of requests decoding at once (whole prompt in the cache), peak used
+    blocks, wall seconds, output tokens/s, and the engine's eviction and preemption counters."""
+    from kvcache.engine.sampling_params import SamplingParams
+    if engine.has_unfinished_requests() or engine.stats.steps:
+        raise ValueError("measure_throughput needs a fresh engine: its counters are the measurement")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"capacity-{i}", p, params, eviction=spec)
+    sched = engine.scheduler
+    peak = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, sum(s.num_computed_tokens >= s.num_prompt_tokens for s in sched.running))
+    wall = time.perf_counter() - t0
+    engine.check_no_leaks()
+    info = engine.kv_cache_info()
+    out = engine.stats.generation_tokens
+    return {"concurrent_requests": peak, "peak_used_blocks": info["peak_used_blocks"],
+            "num_blocks": info["num_blocks"], "block_size": info["block_size"], "wall_s": wall,
+            "output_tokens": out, "output_tokens_per_s": out / wall, "steps": engine.stats.steps,
+            "evicted_tokens": info["evicted_tokens"], "freed_blocks": info["eviction_freed_blocks"],
+            "compactions": info["eviction_compactions"], "preemptions": info["num_preemptions"]}
+
+
+# ---- the command ----------------------------------------------------------------------------------------
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face model directory or GGUF file (default: SmolLM2-135M demo)")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"eviction policies to compare with the full cache "
+                   f"(default {DEFAULT_POLICIES})")
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help="KV budgets, ratios of the prompt in (0, 1] "
+                   f"(default {DEFAULT_BUDGETS})")
+    p.add_argument("--num-docs", type=int, default=2, help="corpus documents to score")
+    p.add_argument("--context-len", type=int, default=1024, help="prompt tokens of each document (compacted)")
+    p.add_argument("--continuation", type=int, default=128, help="tokens after the prompt, teacher-forced and scored")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (tokens) when scoring")
+    p.add_argument("--corpus", default=None, help="a corpus file of '=== title ===' documents (default: the shipped "
+                   "Python docstrings)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey depths, fractions of the filler")
+    p.add_argument("--passkeys-per-depth", type=int, default=1)
+    p.add_argument("--passkey-len", type=int, default=1024, help="tokens of each passkey prompt (about)")
+    p.add_argument("--capacity-memory", default="96MiB", help="float32 KV pool of the memory/throughput runs")
+    p.add_argument("--capacity-requests", type=int, default=12, help="requests submitted at once per run")
+    p.add_argument("--capacity-prompt-len", type=int, default=1024, help="random prompt tokens of each request")
+    p.add_argument("--capacity-max-tokens", type=int, default=64, help="tokens each request generates")
+    p.add_argument("--capacity-budget", type=float, default=0.125, help="the budget every policy runs at in the "
+                   "memory/throughput runs (snapkv runs at each of --budgets too)")
+    p.add_argument("--skip-passkey", action="store_true")
+    p.add_argument("--skip-capacity", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="passkeys, capacity prompts and random eviction")
+    p.add_argument("--json", default="results/kv_eviction.json", help="write the results here ('' to skip)")
+    p.add_argument("--plot", default="results/kv_eviction.png", help="draw quality against budget here ('' to skip)")
+
+
+def parse_policies(text: str) -> list[str]:
+    """'h2o, snapkv' -> ['h2o', 'snapkv']; ValueError naming the supported policies."""
+    from kvcache.compress.spec import POLICIES
+    supported = [p for p in POLICIES if p != "none"]
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise ValueError(f"--policies is empty; supported: {', '.join(supported)}")
+    for n in names:
+        if n not in supported:
+            raise ValueError(f"unknown eviction policy {n!r} in --policies; supported: {', '.join(supported)}")
+        if names.count(n) > 1:
+            raise ValueError(f"--policies names {n} twice")
+    return names
+
+
+def parse_budgets(text: str) -> list[float]:
+    """'0.5,0.25' -> [0.5, 0.25]: ratios of the prompt in (0, 1]."""
+    try:
+        budgets = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--budgets takes ratios of the prompt separated by commas, got {text!r}") from None
+    bad = [b for b in budgets if not 0 < b <= 1]
+    if bad:
+        raise ValueError(f"--budgets are ratios of the prompt in (0, 1]; got {', '.join(f'{b:g}' for b in bad)}")
+    if len(set(budgets)) < len(budgets):
+        raise ValueError(f"--budgets names a budget twice: {text!r}")
+    return budgets
+
+
+def check_budgets(policies: list[str], budgets: list[float], prompt_len: int, what: str) -> None:
+    """ValueError (with the numbers) if a policy cannot work with a budget on `prompt_len`-token prompts."""
+    from kvcache.compress.spec import EvictionSpec
+    for p in policies:
+        for b in budgets:
+            try:
+                EvictionSpec(p, b).tokens(prompt_len)
+            except ValueError as e:
+                raise ValueError(f"{what}: {e}; raise the prompt length or the budget") from None
+
+
+def _parse_args(args: argparse.Namespace) -> tuple[list[str], list[float], list[float]]:
+    policies = parse_policies(args.policies)
+    budgets = parse_budgets(args.budgets)
+    try:
+        depths = [float(x) for x in args.depths.split(",")]
+    except ValueError:
+        raise ValueError(f"--depths takes fractions separated by commas, got {args.depths!r}") from None
+    if any(not 0 <= d <= 1 for d in depths):
+        raise ValueError(f"--depths must lie in [0, 1], got {args.depths!r}")
+    for name in ("num_docs", "context_len", "continuation", "chunk_size", "passkeys_per_depth", "passkey_len",
+                 "capacity_requests", "capacity_prompt_len", "capacity_max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if not 0 < args.capacity_budget <= 1:
+        raise ValueError(f"--capacity-budget is a ratio of the prompt in (0, 1], got {args.capacity_budget:g}")
+    check_budgets(policies, budgets, args.context_len, f"--context-len {args.context_len:,}")
+    if not args.skip_capacity:
+        check_budgets(policies, [args.capacity_budget], args.capacity_prompt_len,
+                      f"--capacity-prompt-len {args.capacity_prompt_len:,}")
+        check_budgets([_sweep_policy(policies)], budgets, args.capacity_prompt_len,
+                      f"--capacity-prompt-len {args.capacity_prompt_len:,}")
+    return policies, budgets, depths
+
+
+def _sweep_policy(policies: list[str]) -> str:
+    return SWEEP_POLICY if SWEEP_POLICY in policies else policies[0]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Quality, passkey retrieval, memory and throughput of every policy and budget against the full cache:
+    tables, JSON, plot."""
+    from tqdm import tqdm
+
+    from kvcache.compress.spec import EvictionSpec
+    from kvcache.config import parse_bytes
+    from kvcache.models.loader import read_checkpoint
+    policies, budgets, depths = _parse_args(args)
+    capacity_memory = parse_bytes(args.capacity_memory)
+    t0 = time.perf_counter()
+    loaded = read_checkpoint(args.model)
+    tok = loaded.tokenizer
+    model_len = getattr(loaded.config, "max_position_embeddings", None) or 2048
+    num_layers = loaded.config.num_hidden_layers
+    doc_len = args.context_len + args.continuation
+    if doc_len > model_len:
+        raise ValueError(f"--context-len {args.context_len:,} + --continuation {args.continuation:,} is above the "
+                         f"model's context length {model_len:,}")
+    need = args.capacity_prompt_len + args.capacity_max_tokens  # tokens of one capacity request
+    if not args.skip_capacity and need > model_len:
+        raise ValueError(f"--capacity-prompt-len {args.capacity_prompt_len:,} + --capacity-max-tokens "
+                         f"{args.capacity_max_tokens:,} is above the model's context length {model_len:,}")
+    docs = document_windows(lambda s: tok.encode(s), args.num_docs, doc_len,
+                            load_corpus(args.corpus) if args.corpus else None)
+    pairs = [(p, b) for p in policies for b in budgets]
+    specs = [EvictionSpec(p, b) for p, b in pairs]
+
+    trials: list[SplitTrial] = []
+    if not args.skip_passkey:
+        trials = split_passkey_trials(tok, depths, args.passkeys_per_depth, args.passkey_len, args.seed)
+        shortest = min(len(t.context_ids) for t in trials)
+        check_budgets(policies, budgets, shortest, f"a passkey context of {shortest:,} tokens (--passkey-len "
+                      f"{args.passkey_len:,})")
+        if max(len(t.token_ids) for t in trials) + ANSWER_MAX_TOKENS > model_len:
+            raise ValueError(f"--passkey-len {args.passkey_len:,} leaves no room for the answer in the model's "
+                             f"context length {model_len:,}")
+    longest = max([len(t.token_ids) + ANSWER_MAX_TOKENS for t in trials] + [doc_len])
+    engine = build_engine(loaded, "float32", max(pool_bytes(loaded, "float32", 1, doc_len),
+                                                 pool_bytes(loaded, "float32", max(1, len(trials)), longest)),
+                          longest, seed=args.seed)
+
+    base, stats = evaluate_quality(engine, docs, args.context_len, specs, args.chunk_size, progress=True)
+    quality = {"full": {"kl": base.kl, "top1": base.top1, "ppl": base.ppl, "ppl_delta_pct": 0.0},
+               "runs": [{"policy": p, "budget": b, "budget_tokens": spec.tokens(args.context_len),
+                         "held_tokens": held_tokens(spec, args.context_len, num_layers), "kl": s.kl, "top1": s.top1,
+                         "ppl": s.ppl, "ppl_delta_pct": ppl_delta_pct(s.ppl, base.ppl)}
+                        for (p, b), spec, s in zip(pairs, specs, stats)]}
+
+    passkey = None
+    if trials:
+        answers = full_cache_answers(engine, trials)
+        full, runs = evaluate_passkey(engine, trials, answers, specs, args.chunk_size, progress=True)
+        passkey = {"trials": len(trials), "baseline_misses": sum(a is None for a in answers),
+                   "scored_trials": sum(a is not None for a in answers),
+                   "context_tokens": [len(t.context_ids) for t in trials],
+                   "question_tokens": [len(t.question_ids) for t in trials],
+                   "answer_tokens": [None if a is None else len(a) for a in answers],
+                   "answers": [None if a is None else tok.decode(a) for a in answers],
+                   "split_differs": sum(not t.joint for t in trials), "full": full,
+                   "runs": [{"policy": p, "budget": b, **r} for (p, b), r in zip(pairs, runs)]}
+    engine.check_no_leaks()
+    del engine
+    gc.collect()
+
+    capacity = None
+    if not args.skip_capacity:
+        sweep = _sweep_policy(policies)
+        configs = ([("none", None)] + [(p, args.capacity_budget) for p in policies]
+                   + [(sweep, b) for b in budgets if b != args.capacity_budget])
+        prompts = None
+        runs = []
+        for p, b in tqdm(configs, desc="capacity", file=sys.stderr):
+            e = build_engine(loaded, "float32", capacity_memory, need, max_num_seqs=256, enable_prefix_caching=False,
+                             seed=args.seed)
+            prompts = prompts or random_prompts(e, args.capacity_requests, args.capacity_prompt_len, args.seed)
+            spec = EvictionSpec(p, b)
+            m = measure_throughput(e, prompts, args.capacity_max_tokens, spec if spec.enabled else None)
+            runs.append({"policy": p, "budget": b, "held_tokens": held_tokens(spec, args.capacity_prompt_len,
+                                                                              num_layers), **m})
+            del e
+            gc.collect()
+        ref = runs[0]
+        for r in runs:
+            r["requests_ratio"] = (r["concurrent_requests"] / ref["concurrent_requests"]
+                                   if ref["concurrent_requests"] else None)
+            r["throughput_ratio"] = r["output_tokens_per_s"] / ref["output_tokens_per_s"]
+        capacity = {"memory_bytes": capacity_memory, "pool_tokens": ref["num_blocks"] * ref["block_size"],
+                    "requests": args.capacity_requests, "prompt_len": args.capacity_prompt_len,
+                    "max_tokens": args.capacity_max_tokens, "budget": args.capacity_budget, "sweep_policy": sweep,
+                    "runs": runs}
+
+    results = {
+        "quality": quality, "passkey": passkey, "capacity": capacity,
+        "settings": {"model": loaded.source, "policies": policies, "budgets": budgets, "num_docs": len(docs),
+                     "context_len": args.context_len, "continuation": args.continuation,
+                     "scored_positions": base.positions, "chunk_size": args.chunk_size,
+                     "corpus": args.corpus or "shipped", "kv_cache_dtype": "float32", "seed": args.seed,
+                     "passkey": None if passkey is None else {
+                         "depths": depths, "per_depth": args.passkeys_per_depth, "target_len": args.passkey_len},
+                     "wall_s": time.perf_counter() - t0},
+    }
+    print_tables(results)
+    if args.json:
+        from kvcache.bench.throughput import write_json
+        write_json(args.json, results)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def print_tables(results: dict) -> None:
+    """The results as one table per part on stdout, the full cache first."""
+    s, q = results["settings"], results["quality"]
+    print(f"\nmodel: {s['model']}; float32 KV cache; budgets are ratios of the prompt")
+    print(f"\nquality: {s['num_docs']} documents, prompt {s['context_len']:,} tokens (compacted), next "
+          f"{s['continuation']} tokens teacher-forced as decodes and scored ({s['scored_positions']:,} positions)")
+    head = f"{'policy':<12}{'budget':>8}{'held tok':>10}{'KL nats':>11}{'top-1':>8}{'ppl':>9}{'ppl Δ%':>10}"
+    print(head)
+    print("-" * len(head))
+    f = q["full"]
+    print(f"{FULL:<12}{'-':>8}{s['context_len']:>10,}{f['kl']:>11.2e}{f['top1']:>8.2%}{f['ppl']:>9.3f}"
+          f"{f['ppl_delta_pct']:>+10.2f}")
+    for r in q["runs"]:
+        print(f"{r['policy']:<12}{r['budget']:>8g}{r['held_tokens']:>10,}{r['kl']:>11.2e}{r['top1']:>8.2%}"
+              f"{r['ppl']:>9.3f}{r['ppl_delta_pct']:>+10.2f}")
+
+    p = results["passkey"]
+    if p:
+        print(f"\npasskey: {p['trials']} trials, context {min(p['context_tokens']):,}-{max(p['context_tokens']):,} "
+              f"+ question {min(p['question_tokens'])}-{max(p['question_tokens'])} tokens; {p['baseline_misses']} "
+              f"baseline misses left out; query-agnostic compacts the context, query-aware context + question")
+    if p and not p["scored_trials"]:
+        print("no trial scored: the full cache's reply never contained the key")
+    elif p:
+        depths = list(p["full"]["by_depth"])
+        head = (f"{'policy':<12}{'budget':>8}{'agnostic':>10}{'aware':>8}  "
+                + " ".join(f"{'d' + d:>9}" for d in depths) + "   (by depth: agnostic/aware)")
+        print(head)
+        print("-" * len(head))
+        full = p["full"]
+        print(f"{FULL:<12}{'-':>8}{_fmt(full['acc'], '.0%'):>10}{_fmt(full['acc'], '.0%'):>8}  "
+              + " ".join(f"{_fmt(full['by_depth'][d], '.0%'):>9}" for d in depths))
+        for r in p["runs"]:
+            ag, aw = r["query_agnostic"], r["query_aware"]
+            cells = [f"{_fmt(ag['by_depth'].get(d), '.0%')}/{_fmt(aw['by_depth'].get(d), '.0%')}" for d in depths]
+            print(f"{r['policy']:<12}{r['budget']:>8g}{_fmt(ag['acc'], '.0%'):>10}{_fmt(aw['acc'], '.0%'):>8}  "
+                  + " ".join(f"{c:>9}" for c in cells))
+
+    c = results["capacity"]
+    if c:
+        print(f"\nmemory and throughput: {c['memory_bytes'] / 2**20:g} MiB float32 pool ({c['pool_tokens']:,} "
+              f"tokens); {c['requests']} requests of {c['prompt_len']:,} random tokens + {c['max_tokens']} "
+              f"generated, all submitted at once; ratios over no eviction")
+        head = (f"{'policy':<12}{'budget':>8}{'held tok/req':>13}{'decoding':>10}{'x req':>7}{'peak blk':>10}"
+                f"{'tok/s':>8}{'x tok/s':>8}{'wall s':>8}{'evicted':>9}{'freed blk':>10}{'preempt':>9}")
+        print(head)
+        print("-" * len(head))
+        for r in c["runs"]:
+            name = "none" if r["budget"] is None else r["policy"]
+            print(f"{name:<12}{_fmt(r['budget'], 'g'):>8}{r['held_tokens']:>13,}{r['concurrent_requests']:>10}"
+                  f"{_fmt(r['requests_ratio'], '.2f'):>7}{r['peak_used_blocks']:>10,}{r['output_tokens_per_s']:>8.1f}"
+                  f"{r['throughput_ratio']:>8.2f}{r['wall_s']:>8.1f}{r['evicted_tokens']:>9,}{r['freed_blocks']:>10,}"
+                  f"{r['preemptions']:>9}")
+
+
+def plot(results: dict, path: str) -> None:
+    """Quality against budget, one curve per policy (PNG): KL, perplexity change, passkey accuracy in the
+    query-agnostic and the query-aware setting."""
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    s = results["settings"]
+    budgets = sorted(s["budgets"])
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    p = results["passkey"]
+    panels = [(axes[0, 0], results["quality"]["runs"], lambda r: r["kl"], "mean KL(P_full || P_policy), nats"),
+              (axes[0, 1], results["quality"]["runs"], lambda r: r["ppl_delta_pct"], "perplexity change vs full cache, %"),
+              (axes[1, 0], p["runs"] if p else [], lambda r: r["query_agnostic"]["acc"],
+               "passkey accuracy, query-agnostic"),
+              (axes[1, 1], p["runs"] if p else [], lambda r: r["query_aware"]["acc"], "passkey accuracy, query-aware")]
+    for i, (ax, runs, value, label) in enumerate(panels):
+        for j, policy in enumerate(s["policies"]):
+            pts = sorted((r["budget"], value(r)) for r in runs if r["policy"] == policy and value(r) is not None)
+            if i >= 2:  # accuracies often coincide: shift each policy's curve a little to keep it visible
+                pts = [(x, y + 0.012 * (j - (len(s["policies"]) - 1) / 2)) for x, y in pts]
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=plt.cm.tab10(j % 10),
+                        label=policy)
+        if i >= 2:
+            if p and p["full"]["acc"] is not None:
+                ax.axhline(p["full"]["acc"], color="black", linestyle="--", linewidth=1, label=FULL)
+            ax.set_ylim(-0.05, 1.05)
+            if not runs or p["full"]["acc"] is None:
+                ax.text(0.5, 0.5, "no passkey trials scored", transform=ax.transAxes, ha="center", va="center")
+        elif i == 0:
+            ax.set_yscale("log")
+        else:
+            ax.axhline(0, color="black", linestyle="--", linewidth=1, label=FULL)
+            ax.set_yscale("symlog", linthresh=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+        ax.minorticks_off()
+        ax.set_xlabel("KV budget, ratio of the prompt")
+        ax.set_ylabel(label)
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0, 1].legend(fontsize=8)
+    fig.suptitle(f"KV eviction: quality vs budget ({os.path.basename(s['model'])}, {s['num_docs']} docs x "
+                 f"{s['context_len']} + {s['continuation']} tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
