@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Literal
 
 from kvcache.eval.corpus import (PASSKEY_ANSWER, PASSKEY_QUESTION, document_windows, load_corpus, passkey_keys,
                                  passkey_prompt)
-from kvcache.eval.kv_quality import QualityStats, _fmt, build_engine, pool_bytes, ppl_delta_pct
+from kvcache.eval.kv_quality import QualityStats, _fmt, build_engine, compare_scores, pool_bytes, ppl_delta_pct
 
 if TYPE_CHECKING:  # torch is imported where it is used: `kvcache plan` loads kvcache.eval modules torch-free
     from kvcache.compress.spec import EvictionSpec
@@ -87,25 +87,16 @@ def evaluate_quality(engine, docs: list[list[int]], context_len: int, specs: lis
     prefilled); the rest run one per step as decodes and are scored: len(doc) - context_len positions.
     The full cache is compared with itself too (KL 0, top-1 1: a check of the metrics).
     """
-    import torch
-    from tqdm import tqdm
-    base = QualityStats()
-    stats = [QualityStats() for _ in specs]
-    bar = tqdm(total=len(docs) * (1 + len(specs)), desc="quality", disable=not progress, file=sys.stderr)
     for ids in docs:
         if not 1 <= context_len < len(ids):
             raise ValueError(f"a context of {context_len:,} tokens must leave continuation tokens to score in a "
                              f"{len(ids):,}-token document")
-        targets = torch.tensor(ids[context_len:])
-        ref = engine.score(ids[:-1], start=context_len - 1, chunk_size=chunk_size)
-        base.add(ref, ref, targets)
-        bar.update(1)
-        for s, spec in zip(stats, specs):
-            s.add(ref, engine.score(ids[:-1], start=context_len - 1, chunk_size=chunk_size, eviction=spec), targets)
-            bar.update(1)
-        del ref
-    bar.close()
-    return base, stats
+
+    def scorer(spec):
+        return lambda ids, start: engine.score(ids, start=start, chunk_size=chunk_size, eviction=spec)
+    base, stats = compare_scores(scorer(None), {i: scorer(spec) for i, spec in enumerate(specs)}, docs,
+                                 context_len - 1, progress, "quality")
+    return base, [stats[i] for i in range(len(specs))]
 
 
 # ---- passkey retrieval ----------------------------------------------------------------------------------

@@ -134,6 +134,30 @@ def build_engine(loaded, dtype: str, kv_cache_memory: int, max_model_len: int, *
     return LLMEngine(cfg, loaded)
 
 
+def compare_scores(reference, candidates: dict, docs: list[list[int]], start: int, progress: bool = False,
+                   desc: str = "scoring") -> tuple[QualityStats, dict]:
+    """Teacher-forced logits of each document from `reference` and from each of `candidates` (name -> a
+    function (token_ids, start) -> logits, as LLMEngine.score), scored at positions start .. len - 2
+    against the next tokens. The reference is compared with itself too (KL 0, top-1 1: a check of the
+    metrics). One document's logits are held at a time."""
+    import torch
+    from tqdm import tqdm
+    base = QualityStats()
+    stats = {name: QualityStats() for name in candidates}
+    bar = tqdm(total=len(docs) * (1 + len(candidates)), desc=desc, disable=not progress, file=sys.stderr)
+    for ids in docs:
+        targets = torch.tensor(ids[start + 1:])
+        ref = reference(ids[:-1], start)
+        base.add(ref, ref, targets)
+        bar.update(1)
+        for name, score in candidates.items():
+            stats[name].add(ref, score(ids[:-1], start), targets)
+            bar.update(1)
+        del ref
+    bar.close()
+    return base, stats
+
+
 def evaluate_quality(baseline, engines: dict, docs: list[list[int]], warmup: int,
                      chunk_size: int | None = None, progress: bool = False) -> tuple[QualityStats, dict[str, QualityStats]]:
     """Score every document through the baseline engine and each engine of `engines` (format -> engine).
@@ -141,24 +165,13 @@ def evaluate_quality(baseline, engines: dict, docs: list[list[int]], warmup: int
     Positions `warmup` .. len - 2 of each document are scored (the last token has no next token).
     The baseline is compared with itself too (KL 0, top-1 1: a check of the metrics).
     """
-    import torch
-    from tqdm import tqdm
-    base = QualityStats()
-    stats = {name: QualityStats() for name in engines}
-    bar = tqdm(total=len(docs) * (1 + len(engines)), desc="scoring", disable=not progress, file=sys.stderr)
     for ids in docs:
         if not 0 <= warmup < len(ids) - 1:
             raise ValueError(f"warmup {warmup} must leave positions to score in a {len(ids)}-token document")
-        targets = torch.tensor(ids[warmup + 1:])
-        ref = baseline.score(ids[:-1], start=warmup, chunk_size=chunk_size)
-        base.add(ref, ref, targets)
-        bar.update(1)
-        for name, engine in engines.items():
-            stats[name].add(ref, engine.score(ids[:-1], start=warmup, chunk_size=chunk_size), targets)
-            bar.update(1)
-        del ref
-    bar.close()
-    return base, stats
+
+    def scorer(engine):
+        return lambda ids, start: engine.score(ids, start=start, chunk_size=chunk_size)
+    return compare_scores(scorer(baseline), {name: scorer(e) for name, e in engines.items()}, docs, warmup, progress)
 
 
 # ---- passkey retrieval ----------------------------------------------------------------------------------
