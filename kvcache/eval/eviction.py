@@ -49,9 +49,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from kvcache.eval.corpus import (PASSKEY_ANSWER, PASSKEY_QUESTION, document_windows, load_corpus, passkey_keys,
-                                 passkey_prompt)
-from kvcache.eval.kv_quality import QualityStats, _fmt, build_engine, compare_scores, pool_bytes, ppl_delta_pct
+from kvcache.eval.corpus import PASSKEY_QUESTION, document_windows, load_corpus, passkey_keys, passkey_prompt
+from kvcache.eval.kv_quality import (QualityStats, _fmt, build_engine, chat_wrap, compare_scores, greedy_outputs,
+                                     pool_bytes, ppl_delta_pct)
 
 if TYPE_CHECKING:  # torch is imported where it is used: `kvcache plan` loads kvcache.eval modules torch-free
     from kvcache.compress.spec import EvictionSpec
@@ -130,12 +130,7 @@ def split_passkey_text(text: str) -> tuple[str, str]:
 def split_passkey_trials(tokenizer, depths: list[float], per_depth: int, length: int, seed: int = 0) -> list[SplitTrial]:
     """The chat-template passkey prompts of `kvcache eval kv-quality` (`per_depth` keys at each depth, about
     `length` tokens each, the same keys for a seed), each split into context and question tokens."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template: the passkey prompts need one")
-
-    def wrap(text: str) -> str:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False) + PASSKEY_ANSWER
+    wrap = chat_wrap(tokenizer)
 
     def encode(text: str) -> list[int]:  # the template writes its special tokens itself
         return tokenizer.encode(text, add_special_tokens=False)
@@ -160,18 +155,8 @@ def answer_tokens(tokenizer, key: int, output_ids: list[int]) -> list[int] | Non
 def full_cache_answers(engine, trials: list[SplitTrial], max_tokens: int = ANSWER_MAX_TOKENS) -> list[list[int] | None]:
     """Greedy replies of the full cache (all trials in one batch), cut after the key; None where the reply
     lacks the key (a baseline miss)."""
-    from kvcache.engine.sampling_params import SamplingParams
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ids = [f"answer-{i}" for i in range(len(trials))]
-    for rid, t in zip(ids, trials):
-        engine.add_request(rid, t.token_ids, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    engine.check_no_leaks()
-    return [answer_tokens(engine.tokenizer, t.key, list(done[rid])) for rid, t in zip(ids, trials)]
+    outs = greedy_outputs(engine, [t.token_ids for t in trials], max_tokens)
+    return [answer_tokens(engine.tokenizer, t.key, list(o.token_ids)) for t, o in zip(trials, outs)]
 
 
 def reproduces(engine, trial: SplitTrial, answer: list[int], setting: Setting, spec: EvictionSpec | None = None,

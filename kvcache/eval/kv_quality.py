@@ -185,6 +185,33 @@ class PasskeyTrial:
     token_ids: list[int]
 
 
+def chat_wrap(tokenizer):
+    """text -> the chat template with `text` as the user's message and the reply begun as "The pass key is"."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use --passkey-prompt raw")
+
+    def wrap(text: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False) + PASSKEY_ANSWER
+    return wrap
+
+
+def greedy_outputs(engine, prompts: list[list[int]], max_tokens: int) -> list:
+    """Each prompt's CompletionOutput, generated greedily in one batch (ignoring EOS); checks for leaks."""
+    from kvcache.engine.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"greedy-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    engine.check_no_leaks()
+    return [done[rid] for rid in ids]
+
+
 def passkey_trials(tokenizer, depths: list[float], per_depth: int, length: int, prompt: str = "chat",
                    seed: int = 0) -> list[PasskeyTrial]:
     """The passkey prompts, `per_depth` keys at each depth, about `length` tokens each.
@@ -194,15 +221,7 @@ def passkey_trials(tokenizer, depths: list[float], per_depth: int, length: int, 
     """
     if prompt not in ("chat", "raw"):
         raise ValueError(f"passkey prompt must be chat or raw, got {prompt!r}")
-    if prompt == "chat":
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use --passkey-prompt raw")
-
-        def wrap(text: str) -> str:
-            return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                 tokenize=False) + PASSKEY_ANSWER
-    else:
-        wrap = plain_prompt
+    wrap = chat_wrap(tokenizer) if prompt == "chat" else plain_prompt
 
     def encode(text: str) -> list[int]:  # the template writes its special tokens itself
         return tokenizer.encode(text, add_special_tokens=prompt == "raw")
@@ -213,24 +232,14 @@ def passkey_trials(tokenizer, depths: list[float], per_depth: int, length: int, 
 
 def run_passkey(engine, trials: list[PasskeyTrial], max_tokens: int = 8) -> dict:
     """Generate greedily for every trial in one batch; accuracy overall and by depth, and the replies."""
-    from kvcache.engine.sampling_params import SamplingParams
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ids = [f"passkey-{i}" for i in range(len(trials))]
-    for rid, t in zip(ids, trials):
-        engine.add_request(rid, t.token_ids, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].text
-    engine.check_no_leaks()
-    correct = [str(t.key) in done[rid] for rid, t in zip(ids, trials)]
+    replies = [o.text for o in greedy_outputs(engine, [t.token_ids for t in trials], max_tokens)]
+    correct = [str(t.key) in r for t, r in zip(trials, replies)]
     by_depth: dict[str, list[bool]] = {}
     for t, ok in zip(trials, correct):
         by_depth.setdefault(f"{t.depth:g}", []).append(ok)
     return {"acc": sum(correct) / len(trials), "correct": sum(correct), "trials": len(trials),
             "by_depth": {d: sum(v) / len(v) for d, v in by_depth.items()},
-            "replies": [done[rid] for rid in ids]}
+            "replies": replies}
 
 
 # ---- capacity -------------------------------------------------------------------------------------------
