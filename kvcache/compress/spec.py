@@ -38,8 +38,8 @@ def parse_budget(value: str | int | float | None) -> int | float | None:
 class EvictionSpec:
     """A request's eviction policy and budget.
 
-    budget: KV tokens a sequence keeps per layer and KV head, as an int (tokens) or a float ratio in (0, 1]
-    of its prompt. The cache holds the whole prompt while it is prefilled, then is compacted to the budget;
+    budget: KV tokens a sequence keeps per layer and KV head, as an int (tokens, at least the policy's
+    minimum) or a float ratio in (0, 1] of its prompt (floored at that minimum). The cache holds the whole prompt while it is prefilled, then is compacted to the budget;
     policies that also evict while decoding let it grow one block past the budget before compacting again.
     """
 
@@ -58,8 +58,9 @@ class EvictionSpec:
         if isinstance(b, bool) or not isinstance(b, numbers.Real):
             raise ValueError(f"kv_budget must be a number of tokens or a ratio, got {b!r}")
         if isinstance(b, numbers.Integral):
-            if b < 1:
-                raise ValueError(f"kv_budget must be at least 1 token, got {b}")
+            need, why = min_budget(self.policy)
+            if b < need:
+                raise ValueError(f"kv_budget {b:,} tokens is below {self.policy}'s minimum of {need}: {why}")
         elif not 0 < b <= 1:
             raise ValueError(f"kv_budget as a ratio of the prompt must be in (0, 1], got {b}")
 
@@ -68,15 +69,18 @@ class EvictionSpec:
         return self.policy != "none"
 
     def tokens(self, prompt_len: int) -> int:
-        """The budget in tokens for a prompt of `prompt_len` tokens; ValueError (with the numbers) if the
-        policy cannot work with it."""
+        """The budget in tokens for a prompt of `prompt_len` tokens. A ratio is floored at the policy's
+        minimum (min_budget): a short prompt keeps that many tokens, or all of its tokens."""
         b = self.budget
         if isinstance(b, numbers.Integral):
-            n, what = int(b), f"kv_budget {int(b):,} tokens"
-        else:
-            n = int(b * prompt_len)
-            what = f"kv_budget {b:g} of a {prompt_len:,}-token prompt ({n:,} tokens)"
+            return int(b)
+        return max(int(b * prompt_len), min_budget(self.policy)[0])
+
+    def check_ratio(self, prompt_len: int) -> None:
+        """ValueError (with the numbers) if a ratio budget falls below the policy's minimum on `prompt_len`-
+        token prompts, where `tokens` would floor it; for evaluations that must keep the ratio they report."""
         need, why = min_budget(self.policy)
-        if n < need:
-            raise ValueError(f"{what} is below {self.policy}'s minimum of {need}: {why}")
-        return n
+        n = int(self.budget * prompt_len) if not isinstance(self.budget, numbers.Integral) else self.budget
+        if self.enabled and n < need:
+            raise ValueError(f"kv_budget {self.budget:g} of a {prompt_len:,}-token prompt ({n:,} tokens) is below "
+                             f"{self.policy}'s minimum of {need}: {why}")

@@ -317,7 +317,7 @@ def check_budgets(policies: list[str], budgets: list[float], prompt_len: int, wh
     for p in policies:
         for b in budgets:
             try:
-                EvictionSpec(p, b).tokens(prompt_len)
+                EvictionSpec(p, b).check_ratio(prompt_len)
             except ValueError as e:
                 raise ValueError(f"{what}: {e}; raise the prompt length or the budget") from None
 

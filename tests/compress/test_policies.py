@@ -43,7 +43,7 @@ def test_parse_budget(text, value):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(policy="lru", budget=64), "kv_eviction 'lru' is not a policy; supported: none, streaming, h2o"),
     (dict(policy="snapkv"), "kv_budget is needed"),
-    (dict(policy="h2o", budget=0), "at least 1 token, got 0"),
+    (dict(policy="h2o", budget=0), "kv_budget 0 tokens is below h2o's minimum of 2"),
     (dict(policy="h2o", budget=1.5), "(0, 1], got 1.5"),
     (dict(policy="h2o", budget=0.0), "(0, 1], got 0.0"),
     (dict(policy="h2o", budget="many"), "number of tokens or a ratio"),
@@ -54,11 +54,16 @@ def test_bad_specs_fail_with_the_numbers(kwargs, message):
 
 
 def test_budget_below_the_policy_minimum_names_both_numbers():
+    with pytest.raises(ValueError, match=rf"kv_budget 4 tokens is below streaming's minimum of {SINK_TOKENS + 1}"):
+        EvictionSpec("streaming", 4)
+    with pytest.raises(ValueError, match=rf"kv_budget 20 tokens is below snapkv's minimum of {WINDOW + 1}: its "
+                                         f"{WINDOW}-token observation window"):
+        EvictionSpec("snapkv", 20)
+    # a ratio is floored at the minimum, so a short prompt is not refused; evaluations can insist
+    assert EvictionSpec("snapkv", 0.125).tokens(200) == WINDOW + 1
     with pytest.raises(ValueError, match=r"kv_budget 0.125 of a 200-token prompt \(25 tokens\) is below snapkv's "
                                          rf"minimum of {WINDOW + 1}"):
-        EvictionSpec("snapkv", 0.125).tokens(200)
-    with pytest.raises(ValueError, match=rf"kv_budget 4 tokens is below streaming's minimum of {SINK_TOKENS + 1}"):
-        EvictionSpec("streaming", 4).tokens(1000)
+        EvictionSpec("snapkv", 0.125).check_ratio(200)
     assert EvictionSpec("snapkv", 0.25).tokens(1000) == 250
     assert EvictionSpec("h2o", 300).tokens(1000) == 300
 

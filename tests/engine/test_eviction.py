@@ -238,13 +238,14 @@ def test_mixed_workload_with_eviction_leaks_nothing(tiny_llama):
 def test_bad_settings_fail_at_submission_and_change_nothing(engine, tiny_model_dirs):
     before = dict(engine.kv_cache_info())
     for spec, params, message in [
-        (EvictionSpec("snapkv", 0.125), SamplingParams(), r"kv_budget 0.125 of a 100-token prompt \(12 tokens\) "
-                                                          r"is below snapkv's minimum of 33"),
         (EvictionSpec("h2o", 64), SamplingParams(n=2), "n must be 1 with kv_eviction h2o, got 2"),
+        (EvictionSpec("streaming", 0.5), SamplingParams(max_tokens=600), "above max_model_len"),
     ]:
         with pytest.raises(ValueError, match=message):
             engine.add_request("bad", _tokens(100), params, eviction=spec)
         assert not engine.requests and engine.kv_cache_info() == before
+    with pytest.raises(ValueError, match="kv_budget 20 tokens is below snapkv's minimum of 33"):
+        EngineConfig(kv_eviction="snapkv", kv_budget=20)
     with pytest.raises(ValueError, match="kv_eviction 'lru' is not a policy"):
         EngineConfig(kv_eviction="lru", kv_budget=64)
     with pytest.raises(ValueError, match=r"kv_budget as a ratio of the prompt must be in \(0, 1\], got 2.5"):
@@ -253,6 +254,12 @@ def test_bad_settings_fail_at_submission_and_change_nothing(engine, tiny_model_d
         _engine(tiny_model_dirs["mistral-swa"], kv_eviction="streaming", kv_budget=64)
     with pytest.raises(ValueError, match="cannot be combined with kv_cache_dtype int4"):
         _engine(tiny_model_dirs["llama"], kv_eviction="snapkv", kv_budget=0.5, kv_cache_dtype="int4")
+
+
+def test_a_ratio_is_floored_at_the_policy_minimum_so_short_prompts_run(engine):
+    before = engine.evictor.stats.compactions
+    assert _run(engine, [_tokens(20, 12)], 5, EvictionSpec("snapkv", 0.25)) == _run(engine, [_tokens(20, 12)], 5)
+    assert engine.evictor.stats.compactions == before  # 33 tokens kept of 20: nothing to evict
 
 
 def test_per_request_override_of_the_engine_default(tiny_llama):

@@ -56,8 +56,7 @@ def test_held_tokens_is_the_budget_and_pyramidkv_holds_its_first_layer():
     assert held_tokens(EvictionSpec("h2o", 100), 1024, 30) == 100
     pyramid = held_tokens(EvictionSpec("pyramidkv", 0.125), 1024, 30)
     assert pyramid == layer_budgets(128, 1024, 30)[0] > 128  # the largest of its per-layer budgets
-    with pytest.raises(ValueError, match="below snapkv's minimum"):
-        held_tokens(EvictionSpec("snapkv", 0.125), 256, 30)
+    assert held_tokens(EvictionSpec("snapkv", 0.125), 256, 30) == 33  # floored at snapkv's minimum
 
 
 # ---- passkey ----------------------------------------------------------------------------------------------

@@ -175,7 +175,7 @@ BAD = [
      ["kv_eviction 'lru' is not a policy", "snapkv"], "kv_eviction"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_eviction": "h2o", "kv_budget": 1.5}, 400,
      ["(0, 1], got 1.5"], "kv_budget"),
-    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_eviction": "snapkv", "kv_budget": 0.5}, 400,
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_eviction": "snapkv", "kv_budget": 20}, 400,
      ["below snapkv's minimum of 33"], "kv_budget"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_eviction": "h2o"}, 400, ["kv_budget is needed"],
      "kv_budget"),
