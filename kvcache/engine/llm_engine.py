@@ -289,18 +289,19 @@ class LLMEngine:
                 self.stats.prefill_tokens_computed += n
         copies, self._pending_copies = self._pending_copies, []
         sampled, logits, specs = self.runner.execute(sched.chunks, copies)
-        row = 0  # into the queries captured for eviction, in chunk order
-        for (seq, n), spec in zip(sched.chunks, specs):
+        for seq, n in sched.chunks:
             seq.num_computed_tokens += n
             self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.extra_key)
+        self.stats.steps += 1
+        used = self.kv.pool.num_usable - self.kv.num_free_blocks  # before eviction: the step's true peak
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
+        row = 0  # into the queries captured for eviction, in chunk order
+        for (seq, _), spec in zip(sched.chunks, specs):
             if seq.eviction:  # after cache_blocks: a compaction leaves the prompt's blocks to the prefix cache
                 r = len(spec.capture)
                 self.evictor.observe(seq.seq_id, seq.eviction, spec, [q[row:row + r] for q in self.runner.captured])
                 row += r
                 self.evictor.maybe_compact(seq.seq_id, seq.eviction, seq.num_computed_tokens)
-        self.stats.steps += 1
-        used = self.kv.pool.num_usable - self.kv.num_free_blocks
-        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
         touched = self._sample_and_append(sampled, logits)
         return self._collect_outputs(touched)
 
