@@ -72,9 +72,10 @@ class EvictionPolicy:
 def attention_probs(q: torch.Tensor, k: torch.Tensor, q_slots: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention of queries q [r, H, D] at slots `q_slots` over keys k [n, KVH, D] (causal), as
     fp32 [H, r, n]. GQA: query head h reads KV head h // (H / KVH)."""
-    H, kvh = q.shape[1], k.shape[1]
-    kf = k.float().repeat_interleave(H // kvh, dim=1) if H != kvh else k.float()
-    logits = torch.einsum("rhd,nhd->hrn", q.float(), kf) * scale
+    r, H, D = q.shape
+    kvh = k.shape[1]
+    # query heads grouped by their KV head, so the keys are not copied per query head
+    logits = torch.einsum("rkgd,nkd->kgrn", q.float().view(r, kvh, H // kvh, D), k.float()).reshape(H, r, -1) * scale
     visible = torch.arange(k.shape[0], device=k.device)[None, :] <= q_slots[:, None]
     return logits.masked_fill_(~visible, float("-inf")).softmax(-1)
 
