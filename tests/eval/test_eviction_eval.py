@@ -177,7 +177,8 @@ def test_a_small_budget_decodes_more_requests_at_once_in_the_same_pool(tiny_load
     assert snap["concurrent_requests"] > none["concurrent_requests"]
     assert snap["evicted_tokens"] == 4 * (300 - 37)  # one compaction per request, to int(0.125 * 300)
     assert snap["freed_blocks"] == 4 * (19 - 3) and snap["compactions"] == 4
-    assert snap["peak_used_blocks"] < none["peak_used_blocks"]
+    # the whole prompt is cached before its compaction, so the peak holds one prompt plus the compacted others
+    assert none["peak_used_blocks"] == 20 and 19 + 3 <= snap["peak_used_blocks"] <= 24
 
 
 # ---- arguments ------------------------------------------------------------------------------------------------
