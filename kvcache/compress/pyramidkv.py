@@ -35,5 +35,5 @@ def layer_budgets(budget: int, prompt_len: int, num_layers: int, window: int = W
 class PyramidKV(SnapKV):
     name = "pyramidkv"
 
-    def budgets(self, state: EvictionState, n: int) -> list[int]:
+    def layer_budgets(self, state: EvictionState) -> list[int]:
         return layer_budgets(state.budget, state.prompt_len, state.num_layers)

@@ -13,6 +13,9 @@ from kvcache.compress.policy import EvictionPolicy, EvictionState, KeysFn, top_s
 class RandomEviction(EvictionPolicy):
     name = "random"
 
+    def budgets(self, state: EvictionState, n: int) -> list[int]:
+        return [max(state.budget, n - state.prompt_len)] * state.num_layers  # a late compaction keeps what followed
+
     def select(self, state: EvictionState, n: int, counts: list[int], keys: KeysFn, scale: float) -> list[torch.Tensor]:
         scores = torch.rand(state.num_layers, state.num_kv_heads, n, generator=state.generator)
         keep_from = state.prompt_len if state.prompt_len < n else None  # tokens after the prompt (a retry) stay

@@ -49,6 +49,13 @@ class SnapKV(EvictionPolicy):
                 scale: float) -> None:
         keep_queries(state, queries, slots, append=True)
 
+    def budgets(self, state: EvictionState, n: int) -> list[int]:
+        # a compaction put off while decoding keeps every token after the prompt too
+        return [max(b, n - (state.prompt_len - WINDOW)) for b in self.layer_budgets(state)]
+
+    def layer_budgets(self, state: EvictionState) -> list[int]:
+        return [state.budget] * state.num_layers
+
     def select(self, state: EvictionState, n: int, counts: list[int], keys: KeysFn, scale: float) -> list[torch.Tensor]:
         keep_from = state.prompt_len - WINDOW  # the window, and anything cached after the prompt
         scores = window_scores(state, n, keep_from, keys, scale)

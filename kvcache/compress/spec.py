@@ -74,13 +74,13 @@ class EvictionSpec:
         b = self.budget
         if isinstance(b, numbers.Integral):
             return int(b)
-        return max(int(b * prompt_len), min_budget(self.policy)[0])
+        return max(int(b * prompt_len + 1e-9), min_budget(self.policy)[0])  # 0.29 x 100 is 29, not 28
 
     def check_ratio(self, prompt_len: int) -> None:
         """ValueError (with the numbers) if a ratio budget falls below the policy's minimum on `prompt_len`-
         token prompts, where `tokens` would floor it; for evaluations that must keep the ratio they report."""
         need, why = min_budget(self.policy)
-        n = int(self.budget * prompt_len) if not isinstance(self.budget, numbers.Integral) else self.budget
+        n = int(self.budget * prompt_len + 1e-9) if not isinstance(self.budget, numbers.Integral) else self.budget
         if self.enabled and n < need:
             raise ValueError(f"kv_budget {self.budget:g} of a {prompt_len:,}-token prompt ({n:,} tokens) is below "
                              f"{self.policy}'s minimum of {need}: {why}")

@@ -218,17 +218,19 @@ class LLMEngine:
                              f"{n_prompt + max_tokens:,} is above max_model_len {self.max_model_len:,}")
         spec = eviction if eviction is not None else self.config.eviction
         state = None
-        peak = n_prompt + max_tokens  # cache slots the request can hold at once
+        # Eviction or not, a request must fit whole: after a preemption it is recomputed from its tokens.
+        peak = n_prompt + max_tokens
+        need = blocks_for(peak, self.config.block_size) + self.kv.seq_blocks
         if spec.enabled:
             self._check_eviction(spec)
             if params.n > 1:
                 raise ValueError(f"n must be 1 with kv_eviction {spec.policy}, got {params.n}: the samples would "
                                  "share a prompt cache that each compacts differently")
             state = self.evictor.new_state(spec, n_prompt, params.seed if params.seed is not None else self.config.seed)
-            kept = max(state.policy.budgets(state, n_prompt))
-            grow = self.config.block_size if state.policy.decode else max_tokens
-            peak = min(peak, max(n_prompt, kept + grow))
-        need = blocks_for(peak, self.config.block_size) + self.kv.seq_blocks
+            if self.kv.radix:  # the prompt's blocks are in the tree: the survivors need fresh blocks beside them
+                kept = max(state.policy.budgets(state, n_prompt))
+                need = max(need, blocks_for(n_prompt, self.config.block_size) +
+                           blocks_for(min(kept, n_prompt), self.config.block_size) + self.kv.seq_blocks)
         if need > self.kv.pool.num_usable:
             raise ValueError(f"request needs {need:,} KV blocks ({peak:,} tokens) but the whole "
                              f"pool has {self.kv.pool.num_usable:,}; raise --kv-cache-memory or lower max_tokens")

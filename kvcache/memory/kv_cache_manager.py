@@ -129,7 +129,7 @@ class KVCacheManager:
         """
         if self.prefix_caching is None or seq_id in self.block_tables:
             return []
-        limit = len(token_ids) - 1 if max_tokens is None else min(len(token_ids) - 1, max_tokens)
+        limit = len(token_ids) - 1 if max_tokens is None else max(0, min(len(token_ids) - 1, max_tokens))
         max_blocks = limit // self.block_size
         bs = self.block_size
         if self.radix:

@@ -177,3 +177,19 @@ def test_pyramid_falls_back_to_uniform_for_short_prompts_and_one_layer():
     assert layer_budgets(256, 4096, 1) == [256]  # no ZeroDivisionError
     st = _state(PyramidKV(), 64, 400)
     assert PyramidKV().budgets(st, 400) == layer_budgets(64, 400, L)
+
+
+def test_a_late_compaction_keeps_every_token_after_the_prompt():
+    """A compaction put off while decoding (no free block) must not drop the window or what was decoded since."""
+    P, n = 100, 120
+    k = _keys(n)
+    for pol in (SnapKV(), PyramidKV(), get_policy("random")):
+        st = _state(pol, WINDOW + 8, P)
+        if pol.name != "random":
+            pol.observe(st, [torch.randn(WINDOW, H, D)] * L, torch.arange(P - WINDOW, P), k, 1.0)
+        counts = pol.budgets(st, n)
+        keep = pol.select(st, n, counts, k, 1.0)
+        first = P - WINDOW if pol.name != "random" else P
+        for c, kk in zip(counts, keep):
+            assert kk.shape[1] == c >= n - first
+            assert all(set(range(first, n)) <= set(row.tolist()) for row in kk)

@@ -197,6 +197,22 @@ def test_prefix_hits_stop_where_the_policy_needs_queries(tiny_llama, policy, cac
     assert eng.kv.stats.hits - hits == cacheable
 
 
+def test_radix_needs_room_for_the_survivors_beside_the_cached_prompt(tiny_llama):
+    """Under radix caching the prompt's blocks stay in the tree, so survivors go to fresh blocks: a request is
+    admitted only if its prompt and its budget fit side by side (else it could wait for blocks forever)."""
+    P, spec, params = 200, EvictionSpec("h2o", 48), SamplingParams(max_tokens=8, **GREEDY)  # 13 + 3 blocks
+    small = _engine(tiny_llama, prefix_caching_algo="radix", kv_cache_memory=15 * 16 * 512)
+    with pytest.raises(ValueError, match="request needs 16 KV blocks"):
+        small.add_request("a", _tokens(P, 13), params, eviction=spec)
+    hashed = _engine(tiny_llama, kv_cache_memory=13 * 16 * 512)  # hash: own cached blocks are rewritten in place
+    radix = _engine(tiny_llama, prefix_caching_algo="radix", kv_cache_memory=16 * 16 * 512)
+    outs = [_run(eng, [_tokens(P, 13)], 8, spec) for eng in (hashed, radix)]
+    assert outs[0] == outs[1]
+    for eng in (hashed, radix):
+        assert eng.evictor.stats.compactions >= 1 and eng.evictor.stats.deferred == 0
+        assert eng.scheduler.num_preemptions == 0
+
+
 def test_int8_compaction_moves_scales_with_codes(tiny_llama):
     toks = _tokens(160, 10)
     spec = EvictionSpec("snapkv", 48)

@@ -739,3 +739,30 @@ def test_idle_cached_blocks_are_the_cached_ones_nobody_holds(mode):
     assert kv.num_idle_cached_blocks == 3
     run_and_cache(kv, 2, t[:9])  # takes 2 of them back
     assert kv.num_idle_cached_blocks == 1
+
+
+@pytest.mark.parametrize("algo", ["hash", "radix"])
+def test_find_prefix_stops_at_max_tokens_and_never_wraps(algo):
+    kv = KVCacheManager(16, 4, algo)
+    tokens = list(range(100, 117))
+    assert kv.allocate(0, len(tokens))
+    kv.cache_blocks(0, tokens, len(tokens))
+    assert len(kv.find_prefix(1, tokens)) == 4
+    assert len(kv.find_prefix(1, tokens, max_tokens=9)) == 2  # whole blocks within 9 tokens
+    assert kv.find_prefix(1, tokens, max_tokens=-5) == []  # a policy's limit below zero means none
+
+
+def test_compaction_writes_in_place_only_blocks_held_alone_and_uncached():
+    kv = KVCacheManager(12, 4, "hash")
+    tokens = list(range(100, 116))
+    assert kv.allocate(0, 16)
+    kv.cache_blocks(0, tokens, 8)  # the first two blocks are cached
+    table = list(kv.block_tables[0])
+    old, new = kv.compact(0, 12)
+    assert old == table and len(new) == 3
+    assert new[2] == table[2] and new[0] not in table and new[1] not in table  # cached ones got fresh copies
+    assert kv.pool.ref_counts[table[3]] == 0 and kv.pool.keys[table[0]] is not None  # freed; still cached
+    kv.cache_blocks(0, tokens, 16)  # a compacted table no longer matches its tokens: nothing is cached
+    assert kv.pool.keys[new[0]] is None
+    kv.free(0)
+    assert kv.num_free_blocks == kv.pool.num_usable
