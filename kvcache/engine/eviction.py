@@ -64,14 +64,17 @@ class Evictor:
             return self.store.gather(layer, blocks)[0].flatten(0, 1)[:n]
         return keys
 
-    def observe(self, seq_id: int, state: EvictionState, chunk: SeqChunk, queries: list[torch.Tensor]) -> None:
-        """Give the policy the queries captured for `chunk` ([r, H, D] per layer)."""
-        if not chunk.capture:
-            return
-        slots = torch.arange(chunk.start + chunk.capture.start, chunk.start + chunk.capture.stop, device=self.device)
-        state.policy.observe(state, queries, slots, self._keys(self.kv.block_tables[seq_id]), self.scale)
+    def after_forward(self, seq_id: int, state: EvictionState, chunk: SeqChunk, queries: list[torch.Tensor],
+                      num_computed: int) -> None:
+        """Give the policy the queries captured for `chunk` ([r, H, D] per layer), then compact the cache if due
+        (`num_computed`: the sequence's tokens computed, this chunk included)."""
+        if chunk.capture:
+            slots = torch.arange(chunk.start + chunk.capture.start, chunk.start + chunk.capture.stop,
+                                 device=self.device)
+            state.policy.observe(state, queries, slots, self._keys(self.kv.block_tables[seq_id]), self.scale)
+        self._maybe_compact(seq_id, state, num_computed)
 
-    def maybe_compact(self, seq_id: int, state: EvictionState, num_computed: int) -> None:
+    def _maybe_compact(self, seq_id: int, state: EvictionState, num_computed: int) -> None:
         """Compact the cache of `seq_id` if its policy is due: when the prompt is in the cache, and (decode-time
         policies) each time the cache has grown a block past the budget."""
         n = num_computed - state.num_evicted
@@ -92,15 +95,14 @@ class Evictor:
         old, new = res
         keep = state.policy.select(state, n, [top - s for s in starts], self._keys(old), self.scale)
         old_t, new_t = torch.tensor(old, device=self.device), torch.tensor(new, device=self.device)
+        scores = torch.zeros_like(state.scores) if state.scores is not None else None  # h2o's, compacted alike
         for layer, idx in enumerate(keep):
             idx = idx.to(self.device)
             dst = torch.arange(starts[layer], top, device=self.device).expand_as(idx)
             self.store.move_slots(layer, old_t[idx // bs] * bs + idx % bs, new_t[dst // bs] * bs + dst % bs)
-        if state.scores is not None:
-            scores = torch.zeros_like(state.scores)
-            for layer, idx in enumerate(keep):
+            if scores is not None:
                 scores[layer, :, starts[layer]:top] = state.scores[layer].gather(1, idx.to(scores.device))
-            state.scores = scores
+        state.scores = scores
         state.layer_start = starts if any(starts) else None
         state.num_evicted += n - top
         state.pending = False

@@ -301,9 +301,9 @@ class LLMEngine:
         for (seq, _), spec in zip(sched.chunks, specs):
             if seq.eviction:  # after cache_blocks: a compaction leaves the prompt's blocks to the prefix cache
                 r = len(spec.capture)
-                self.evictor.observe(seq.seq_id, seq.eviction, spec, [q[row:row + r] for q in self.runner.captured])
+                queries = [q[row:row + r] for q in self.runner.captured]
+                self.evictor.after_forward(seq.seq_id, seq.eviction, spec, queries, seq.num_computed_tokens)
                 row += r
-                self.evictor.maybe_compact(seq.seq_id, seq.eviction, seq.num_computed_tokens)
         touched = self._sample_and_append(sampled, logits)
         return self._collect_outputs(touched)
 
@@ -455,8 +455,7 @@ class LLMEngine:
                 out.append(self.runner.run_chunk(c, range(max(done, start) - done, e - done)))
                 done = e
                 if state is not None:
-                    self.evictor.observe(seq_id, state, c, self.runner.captured)
-                    self.evictor.maybe_compact(seq_id, state, done)
+                    self.evictor.after_forward(seq_id, state, c, self.runner.captured, done)
             return torch.cat(out)
         finally:
             self.kv.free(seq_id)
