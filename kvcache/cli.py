@@ -107,8 +107,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for c in out.outputs:
             print(c.text)
             print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
+        if out.error:
+            print(f"kvcache: error: {out.error}", file=sys.stderr)
     print_kv_summary(llm.engine)
-    return 0
+    return 1 if any(out.error for out in outs) else 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -151,7 +153,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     full = out.outputs[0].text
-                    if not full.endswith("\ufffd"):  # hold back a half-decoded character
+                    if out.error:
+                        print(f" [error: {out.error}]", end="")
+                    elif not full.endswith("\ufffd"):  # hold back a half-decoded character
                         print(full[len(shown):], end="", flush=True)
                         shown = full
         except KeyboardInterrupt:

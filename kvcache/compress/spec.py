@@ -4,6 +4,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from kvcache.messages import describe
+
 POLICIES = ("none", "streaming", "h2o", "snapkv", "tova", "pyramidkv", "random")
 SINK_TOKENS = 4  # StreamingLLM's attention sinks (its paper and code use 4)
 WINDOW = 32  # SnapKV/PyramidKV observation window, in prompt tokens (SnapKV's default configuration)
@@ -30,7 +32,7 @@ def parse_budget(value: str | int | float | None) -> int | float | None:
             return float(s[:-1]) / 100
         return int(s) if s.isdigit() else float(s)
     except ValueError:
-        raise ValueError(f"kv_budget {value!r} cannot be read: give tokens (512), a ratio of the prompt (0.25) "
+        raise ValueError(f"kv_budget {describe(value)} cannot be read: give tokens (512), a ratio of the prompt (0.25) "
                          "or a percentage (25%)") from None
 
 
@@ -50,19 +52,23 @@ class EvictionSpec:
         if self.policy not in POLICIES:
             raise ValueError(f"kv_eviction {self.policy!r} is not a policy; supported: {', '.join(POLICIES)}")
         b = self.budget
-        if self.policy == "none":
-            return
         if b is None:
-            raise ValueError(f"kv_budget is needed by kv_eviction {self.policy}: tokens (--kv-budget 512) or a ratio "
-                             "of the prompt (--kv-budget 0.25)")
+            if self.enabled:
+                raise ValueError(f"kv_budget is needed by kv_eviction {self.policy}: tokens (--kv-budget 512) or a "
+                                 "ratio of the prompt (--kv-budget 0.25)")
+            return
         if isinstance(b, bool) or not isinstance(b, numbers.Real):
-            raise ValueError(f"kv_budget must be a number of tokens or a ratio, got {b!r}")
+            raise ValueError(f"kv_budget must be a number of tokens or a ratio, got {describe(b)}")
         if isinstance(b, numbers.Integral):
-            need, why = min_budget(self.policy)
+            need, why = min_budget(self.policy) if self.enabled else (1, "one token")
             if b < need:
-                raise ValueError(f"kv_budget {b:,} tokens is below {self.policy}'s minimum of {need}: {why}")
+                raise ValueError(f"kv_budget {describe(b)} tokens is below {self.policy}'s minimum of {need}: {why}"
+                                 if self.enabled else f"kv_budget must be at least 1 token, got {describe(b)}")
         elif not 0 < b <= 1:
-            raise ValueError(f"kv_budget as a ratio of the prompt must be in (0, 1], got {b}")
+            raise ValueError(f"kv_budget as a ratio of the prompt must be in (0, 1], got {describe(b)}")
+        if not self.enabled:
+            raise ValueError(f"kv_budget {describe(b)} needs a kv_eviction policy ({', '.join(POLICIES[1:])}); "
+                             "without one nothing is evicted")
 
     @property
     def enabled(self) -> bool:

@@ -1,8 +1,16 @@
-"""LLMEngine: requests in, one scheduled step at a time, outputs out."""
+"""LLMEngine: requests in, one scheduled step at a time, outputs out.
+
+A failure is contained to the requests it can be blamed on. An error in one sequence's sampling, eviction,
+prefix caching or stop check fails that request alone (finish_reason "error", its blocks freed); the others
+carry on in the same step. An error no request can be blamed on (the batch's forward, the scheduler) fails
+the requests of that batch; after MAX_CONSECUTIVE_FAILURES such steps in a row the engine raises
+EngineDeadError and must be rebuilt.
+"""
 from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -12,12 +20,15 @@ from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
 from kvcache.engine.eviction import Evictor, seq_chunk
 from kvcache.engine.model_runner import ModelRunner
+from kvcache.engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, request_output
 from kvcache.engine.sampler import SamplingRow, sample
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.sequence import Sequence
+from kvcache.engine.stop_checker import StopChecker
 from kvcache.memory.block_pool import OutOfBlocksError
 from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
+from kvcache.messages import describe
 from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
 from kvcache.models.llama import layer_windows
 from kvcache.plan.kv_bytes import KV_DTYPES, CacheCapacity, cache_capacity, kv_formula, residual_bytes_per_seq
@@ -26,55 +37,13 @@ from kvcache.store.quantized_store import make_store
 
 log = logging.getLogger("kvcache")
 MAX_CACHE_SALT_CHARS = 256
+MAX_CONSECUTIVE_FAILURES = 3  # steps in a row that fail with no request to blame before the engine gives up
+
+__all__ = ["CompletionOutput", "EngineDeadError", "LLMEngine", "RequestOutput"]
 
 
-@dataclass
-class CompletionOutput:
-    """One of a request's n samples."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
-
-
-@dataclass
-class RequestMetrics:
-    """Wall-clock times (time.monotonic seconds) of a request's life."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    stream: bool
-    cache_salt: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+class EngineDeadError(RuntimeError):
+    """The engine failed MAX_CONSECUTIVE_FAILURES steps in a row with no request to blame; it cannot go on."""
 
 
 @dataclass
@@ -144,10 +113,14 @@ class LLMEngine:
         self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.shape.num_kv_heads,
                                self.model.layers[0].scale, self.device)
         self.eos_token_ids = self._eos_ids(hf)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
-        self._pending_copies: list[tuple[int, int]] = []
+        self._pending_copies: list[tuple[int, int]] = []  # block copies of this step's forks, made next step
+        self._copy_owners: set[str] = set()  # the requests of those forks
+        self._failed: set[str] = set()  # requests failed in this step (they are among its outputs)
+        self._consecutive_failures = 0  # steps in a row that failed with no request to blame
+        self.stop = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         c = self.capacity
         log.info("KV cache (%s): %s blocks x %d tokens = %s tokens, %.2f GiB (%s)%s; maximum concurrency for %s "
                  "tokens per request: %.2fx", self.kv_dtype, f"{c.num_blocks:,}", c.block_size, f"{c.num_tokens:,}",
@@ -157,6 +130,9 @@ class LLMEngine:
 
     def _check_eviction(self, spec: EvictionSpec) -> None:
         """ValueError if this engine cannot evict tokens under `spec`."""
+        if isinstance(spec.budget, numbers.Integral) and spec.budget > self.max_model_len:
+            raise ValueError(f"kv_budget {describe(spec.budget)} tokens is above max_model_len "
+                             f"{self.max_model_len:,}: no request holds more tokens than that")
         if self._sliding:
             raise ValueError(f"kv_eviction {spec.policy} is not supported on models with sliding-window layers: "
                              "their masks count positions, and eviction changes which slot holds which position")
@@ -198,17 +174,51 @@ class LLMEngine:
                                        or len(cache_salt) > MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters; "
                              f"got {type(cache_salt).__name__} of length {len(cache_salt) if isinstance(cache_salt, str) else '-'}")
+        text, ids = self._prompt_ids(prompt, add_special_tokens)
+        max_tokens = self._check_lengths(len(ids), params)
+        spec = eviction if eviction is not None else self.config.eviction
+        state = None
+        # Eviction or not, a request must fit whole: after a preemption it is recomputed from its tokens.
+        peak = len(ids) + max_tokens
+        need = blocks_for(peak, self.config.block_size) + self.kv.seq_blocks
+        if spec.enabled:
+            self._check_eviction(spec)
+            if params.n > 1:
+                raise ValueError(f"n must be 1 with kv_eviction {spec.policy}, got {params.n}: the samples would "
+                                 "share a prompt cache that each compacts differently")
+            state = self.evictor.new_state(spec, len(ids), params.seed if params.seed is not None else self.config.seed)
+            if self.kv.radix:  # the prompt's blocks are in the tree: the survivors need fresh blocks beside them
+                kept = max(state.policy.budgets(state, len(ids)))
+                need = max(need, blocks_for(len(ids), self.config.block_size) +
+                           blocks_for(min(kept, len(ids)), self.config.block_size) + self.kv.seq_blocks)
+        if need > self.kv.pool.num_usable:
+            raise ValueError(f"request needs {need:,} KV blocks ({peak:,} tokens) but the whole "
+                             f"pool has {self.kv.pool.num_usable:,}; raise --kv-cache-memory or lower max_tokens")
+        req = Request(request_id, text, ids, params, [], RequestMetrics(time.monotonic()), stream, cache_salt)
+        req.seqs.append(self._new_seq(req, 0, max_tokens))
+        req.seqs[0].eviction = state
+        self.requests[request_id] = req
+        self.stats.prompt_tokens += len(ids)
+        self.scheduler.add(req.seqs[0])
+
+    def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt given as text or ids; ValueError if it is empty or an id is
+        outside the vocabulary."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt, add_special_tokens)
         else:
             text, ids = None, list(prompt)
             vocab = self.model.config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {describe(bad[:5])}")
         if not ids:
             raise ValueError("the prompt is empty")
-        n_prompt = len(ids)
+        return text, ids
+
+    def _check_lengths(self, n_prompt: int, params: SamplingParams) -> int:
+        """The request's output token limit; ValueError if prompt and output cannot fit max_model_len, or the
+        prompt can never be scheduled."""
         if n_prompt >= self.max_model_len:
             raise ValueError(f"prompt has {n_prompt:,} tokens; max_model_len is {self.max_model_len:,} "
                              "(at least one output token must fit)")
@@ -216,30 +226,10 @@ class LLMEngine:
         if n_prompt + max_tokens > self.max_model_len:
             raise ValueError(f"prompt has {n_prompt:,} tokens and max_tokens is {max_tokens:,}: "
                              f"{n_prompt + max_tokens:,} is above max_model_len {self.max_model_len:,}")
-        spec = eviction if eviction is not None else self.config.eviction
-        state = None
-        # Eviction or not, a request must fit whole: after a preemption it is recomputed from its tokens.
-        peak = n_prompt + max_tokens
-        need = blocks_for(peak, self.config.block_size) + self.kv.seq_blocks
-        if spec.enabled:
-            self._check_eviction(spec)
-            if params.n > 1:
-                raise ValueError(f"n must be 1 with kv_eviction {spec.policy}, got {params.n}: the samples would "
-                                 "share a prompt cache that each compacts differently")
-            state = self.evictor.new_state(spec, n_prompt, params.seed if params.seed is not None else self.config.seed)
-            if self.kv.radix:  # the prompt's blocks are in the tree: the survivors need fresh blocks beside them
-                kept = max(state.policy.budgets(state, n_prompt))
-                need = max(need, blocks_for(n_prompt, self.config.block_size) +
-                           blocks_for(min(kept, n_prompt), self.config.block_size) + self.kv.seq_blocks)
-        if need > self.kv.pool.num_usable:
-            raise ValueError(f"request needs {need:,} KV blocks ({peak:,} tokens) but the whole "
-                             f"pool has {self.kv.pool.num_usable:,}; raise --kv-cache-memory or lower max_tokens")
-        req = _Request(request_id, text, ids, params, [], RequestMetrics(time.monotonic()), stream, cache_salt)
-        req.seqs.append(self._new_seq(req, 0, max_tokens))
-        req.seqs[0].eviction = state
-        self.requests[request_id] = req
-        self.stats.prompt_tokens += n_prompt
-        self.scheduler.add(req.seqs[0])
+        if not self.config.enable_chunked_prefill and n_prompt > self.config.max_num_batched_tokens:
+            raise ValueError(f"prompt has {n_prompt:,} tokens but chunked prefill is off and a step takes at most "
+                             f"max_num_batched_tokens={self.config.max_num_batched_tokens:,}")
+        return max_tokens
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; ValueError if the tokenizer cannot encode it (a lone surrogate, for one)."""
@@ -248,7 +238,7 @@ class LLMEngine:
         except Exception as e:  # tokenizers raise TypeError/exceptions of their own on bad text
             raise ValueError(f"the prompt cannot be tokenized: {type(e).__name__}: {e}") from None
 
-    def _new_seq(self, req: _Request, index: int, max_tokens: int) -> Sequence:
+    def _new_seq(self, req: Request, index: int, max_tokens: int) -> Sequence:
         gen = None
         if req.params.seed is not None:
             gen = torch.Generator(self.device).manual_seed(req.params.seed + index)
@@ -276,12 +266,21 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return outputs (see the class docstring)."""
-        sched = self.scheduler.schedule()
+        """Schedule, run the model once, sample, and return outputs (see the class docstring). A request that
+        fails in this step is among the outputs, finished, with finish_reason "error" (the module docstring).
+        Raises EngineDeadError after MAX_CONSECUTIVE_FAILURES steps in a row failed with no request to blame."""
+        self._failed = set()
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as e:  # its bookkeeping may be half done: fail what it was working on
+            self._batch_failed(list(self.scheduler.running), e)
+            return self._collect_outputs(set())
         if not sched.chunks:
-            if self.scheduler.has_work():
-                raise RuntimeError("scheduler made no progress: no sequence fits in the KV pool")
-            return []
+            if self.scheduler.waiting and not self.scheduler.running:  # alone in an empty pool and still no room
+                seq = self.scheduler.waiting[0]
+                self._fail(self.requests[seq.request_id], "the request cannot be scheduled: its blocks do not fit "
+                           "in the free KV pool", RuntimeError("scheduler made no progress"))
+            return self._collect_outputs(set())
         now = time.monotonic()
         for seq, n in sched.chunks:
             req = self.requests[seq.request_id]
@@ -290,10 +289,18 @@ class LLMEngine:
             if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:  # not a decode
                 self.stats.prefill_tokens_computed += n
         copies, self._pending_copies = self._pending_copies, []
-        sampled, logits, specs = self.runner.execute(sched.chunks, copies)
+        copy_owners, self._copy_owners = self._copy_owners, set()
+        try:
+            sampled, logits, specs = self.runner.execute(sched.chunks, copies)
+        except Exception as e:
+            self.runner.captured = []
+            self._batch_failed([seq for seq, _ in sched.chunks], e, copy_owners)
+            return self._collect_outputs(set())
+        self._consecutive_failures = 0
         for seq, n in sched.chunks:
             seq.num_computed_tokens += n
-            self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.extra_key)
+            self._isolated(seq, "caching its prefix blocks", self.kv.cache_blocks, seq.seq_id, seq.token_ids,
+                           seq.num_computed_tokens, seq.extra_key)
         self.stats.steps += 1
         used = self.kv.pool.num_usable - self.kv.num_free_blocks  # before eviction: the step's true peak
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
@@ -302,15 +309,95 @@ class LLMEngine:
             if seq.eviction:  # after cache_blocks: a compaction leaves the prompt's blocks to the prefix cache
                 r = len(spec.capture)
                 queries = [q[row:row + r] for q in self.runner.captured]
-                self.evictor.after_forward(seq.seq_id, seq.eviction, spec, queries, seq.num_computed_tokens)
                 row += r
+                if not seq.is_finished:
+                    self._isolated(seq, "evicting its KV tokens", self.evictor.after_forward, seq.seq_id,
+                                   seq.eviction, spec, queries, seq.num_computed_tokens)
         touched = self._sample_and_append(sampled, logits)
         return self._collect_outputs(touched)
 
+    def _isolated(self, seq: Sequence, what: str, fn, *args) -> None:
+        """fn(*args); if it raises, only `seq`'s request fails."""
+        try:
+            fn(*args)
+        except Exception as e:
+            self._fail(self.requests[seq.request_id], f"the engine failed while {what}", e)
+
+    def _fail(self, req: Request, message: str, exc: BaseException | None = None) -> None:
+        """Finish every sequence of `req` with finish_reason "error" and free its blocks. `message` is for the
+        client; `exc` (with its traceback) goes to the log only, under the request id."""
+        if req.error is not None:
+            return
+        log.error("request %s failed: %s", req.request_id, message, exc_info=exc)
+        req.error = message
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "error")
+            seq.finish_reason = "error"  # also on a sequence that had finished
+        self._failed.add(req.request_id)
+
+    def _batch_failed(self, seqs: list[Sequence], exc: Exception, also: set[str] = frozenset()) -> None:
+        """A failure no single request explains: fail the requests of `seqs` and `also`, or give up after
+        MAX_CONSECUTIVE_FAILURES in a row."""
+        self._consecutive_failures += 1
+        rids = sorted({s.request_id for s in seqs} | also)
+        log.error("step failed (%d in a row); failing its %d requests: %s", self._consecutive_failures, len(rids),
+                  ", ".join(rids), exc_info=exc)
+        for rid in rids:
+            if rid in self.requests:
+                self._fail(self.requests[rid], "the engine failed while running this request's batch")
+        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            self._collect_outputs(set())  # forget the failed requests: nobody will step this engine again
+            raise EngineDeadError(f"{self._consecutive_failures} steps in a row failed with no request to blame; "
+                                  f"the last: {type(exc).__name__}: {exc}") from exc
+
     def _sample_and_append(self, sampled: list[Sequence], logits: torch.Tensor) -> set[str]:
-        seqs, rows = [], []
-        forks: list[tuple[Sequence, Sequence]] = []
+        seqs, rows, forks = self._sampling_rows(sampled)
+        if not seqs:
+            return set()
+        idx = torch.tensor(rows, device=logits.device)
+        batch_logits = logits if len(rows) == logits.shape[0] else logits.index_select(0, idx)
+        tokens = self._sample(seqs, batch_logits)
+        for parent, child in forks:
+            if parent.is_finished or child.is_finished:  # its request failed
+                continue
+            child.num_computed_tokens = parent.num_computed_tokens
+            try:
+                self._pending_copies += self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
+                self._copy_owners.add(child.request_id)
+                self.scheduler.add_running(child)
+            except OutOfBlocksError:
+                child.num_computed_tokens = 0  # no block for its copy: recompute it later
+                self.scheduler.add(child)
+        now = time.monotonic()
+        touched = set()
+        for seq, (token, lp) in zip(seqs, tokens):
+            touched.add(seq.request_id)
+            if seq.is_finished:
+                continue
+            seq.token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+                seq.cumulative_logprob += lp[token]
+            self.stats.generation_tokens += 1
+            req = self.requests[seq.request_id]
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            try:
+                reason = self.stop.stop_reason(seq, token)
+            except Exception as e:  # a tokenizer that cannot decode what was sampled
+                self._fail(req, "the engine failed while checking this request's stop conditions", e)
+                continue
+            if reason:
+                self.scheduler.finish(seq, reason)
+        return touched
+
+    def _sampling_rows(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int], list[tuple[Sequence, Sequence]]]:
+        """The sequences to sample, their rows of the logits, and the (parent, child) forks of n > 1 requests
+        whose prompt just finished: each child samples from its parent's row."""
+        seqs, rows, forks = [], [], []
         for i, seq in enumerate(sampled):
+            if seq.is_finished:  # failed earlier in this step
+                continue
             seqs.append(seq)
             rows.append(i)
             if seq.params.n > 1 and not seq.forked and seq.index == 0:
@@ -322,91 +409,59 @@ class LLMEngine:
                     forks.append((seq, child))
                     seqs.append(child)
                     rows.append(i)
-        idx = torch.tensor(rows, device=logits.device)
-        batch_logits = logits if len(rows) == logits.shape[0] else logits.index_select(0, idx)
-        result = sample(batch_logits, [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids)
-                                       for s in seqs], next(iter(self.eos_token_ids), None))
-        for parent, child in forks:
-            child.num_computed_tokens = parent.num_computed_tokens
-            try:
-                self._pending_copies += self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
-                self.scheduler.add_running(child)
-            except OutOfBlocksError:
-                child.num_computed_tokens = 0  # no block for its copy: recompute it later
-                self.scheduler.add(child)
-        now = time.monotonic()
-        touched = set()
-        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
-            seq.token_ids.append(token)
-            if lp is not None:
-                seq.logprobs.append(lp)
-                seq.cumulative_logprob += lp[token]
-            self.stats.generation_tokens += 1
-            req = self.requests[seq.request_id]
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            reason = self._stop_reason(seq, token)
-            if reason:
-                self.scheduler.finish(seq, reason)
-            touched.add(seq.request_id)
-        return touched
+        return seqs, rows, forks
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        searched = 0
-        if p.stop:
-            searched = len(seq.text)  # the text before this token has been searched already
-            seq.text = self._detokenize(seq)
-        if seq.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return "stop"
-            if p.stop:
-                # A new match ends in the new text, so it starts at most len(stop) - 1 characters before it.
-                start = max(0, min(searched, len(seq.text)) - max(len(s) for s in p.stop) + 1)
-                found = [(at, s) for s in p.stop if (at := seq.text.find(s, start)) >= 0]
-                if found:
-                    at, s = min(found)
-                    seq.text = seq.text[:at]
-                    seq.stop_reason = s
-                    return "stop"
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _detokenize(self, seq: Sequence) -> str:
-        # No clean-up of tokenization spaces: it rewrites earlier text as tokens arrive, and streamed text
-        # must be a prefix of the final text (vLLM's incremental detokenizer does not clean up either).
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, dict | None]]:
+        """(token, logprobs) per sequence. A row the sampler refuses, or that raises when sampled alone after
+        the whole batch raised, fails its request; its pair is then (-1, None)."""
+        rows = [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids) for s in seqs]
+        eos = next(iter(self.eos_token_ids), None)
+        # A batch that raises is sampled again row by row, each seeded row from where its generator was.
+        states = [r.generator.get_state() if r.generator is not None else None for r in rows]
+        try:
+            result = sample(logits, rows, eos)
+            pairs, errors = list(zip(result.token_ids, result.logprobs)), result.errors
+        except Exception as e:
+            log.warning("sampling a batch of %d rows failed (%s: %s); sampling them one by one", len(rows),
+                        type(e).__name__, e)
+            pairs, errors = [], {}
+            for i, (row, state) in enumerate(zip(rows, states)):
+                if state is not None:
+                    row.generator.set_state(state)
+                try:
+                    one = sample(logits[i:i + 1], [row], eos)
+                    pairs.append((one.token_ids[0], one.logprobs[0]))
+                    if one.errors:
+                        errors[i] = one.errors[0]
+                except Exception as row_error:
+                    pairs.append((-1, None))
+                    self._fail(self.requests[seqs[i].request_id], "the engine failed while sampling this request's "
+                               "next token", row_error)
+        for i, message in errors.items():
+            self._fail(self.requests[seqs[i].request_id], message)
+        return pairs
 
     def _count_finished(self, reason: str) -> None:
         self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
 
     def _collect_outputs(self, touched: set[str]) -> list[RequestOutput]:
         outs = []
-        for rid in touched:
+        for rid in touched | self._failed:
             req = self.requests[rid]
             finished = req.finished
             if not (finished or req.stream):
                 continue
-            outs.append(self._output(req, finished))
+            try:
+                outs.append(request_output(req, finished, self.stop.detokenize))
+            except Exception as e:  # its text cannot be decoded: it ends here, without text
+                self._fail(req, "the engine failed while detokenizing this request's output", e)
+                finished = True
+                outs.append(request_output(req, True, lambda _: ""))
             if finished:
                 req.metrics.finished_time = time.monotonic()
-                self._count_finished(req.seqs[0].finish_reason or "stop")  # per request, like vLLM
+                self._count_finished("error" if req.error else req.seqs[0].finish_reason or "stop")  # like vLLM
                 del self.requests[rid]
         return outs
-
-    def _output(self, req: _Request, finished: bool) -> RequestOutput:
-        comps = []
-        for s in sorted(req.seqs, key=lambda s: s.index):
-            text = s.text if s.stop_reason in s.params.stop else self._detokenize(s)
-            comps.append(CompletionOutput(s.index, text, s.output_token_ids, s.finish_reason, s.stop_reason,
-                                          s.logprobs if s.params.logprobs is not None else None,
-                                          s.cumulative_logprob if s.params.logprobs is not None else None))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished, req.metrics)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], start: int = 0, chunk_size: int | None = None,

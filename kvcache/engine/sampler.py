@@ -8,12 +8,17 @@ batched over those rows.
 Draws are inverse-CDF: one uniform number per row, searched in the row's cumulative weights.
 A seeded row takes its number from its own generator, and every stage works on each row
 independently of the others, so its tokens do not depend on what else is in the batch.
+
+Whatever the logits, a sampled id is in [0, vocab): a row whose raw logits hold NaN or an infinity
+gets no token but an error (the engine fails that request alone); a penalty that overflows float32
+saturates at its largest value, and temperature divides logits already shifted to a maximum of 0, so
+no stage makes inf - inf = NaN; an id outside the row is refused as a last resort.
 """
 from __future__ import annotations
 
 import array
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,21 +42,24 @@ class SamplingRow:
 
 @dataclass(slots=True)
 class SampleResult:
-    token_ids: list[int]
+    token_ids: list[int]  # -1 in the rows of `errors`
     # Per row, when params.logprobs is not None: {sampled id: logprob, top ids: logprob},
     # from the raw logits (before penalties and temperature). Otherwise None.
     logprobs: list[dict[int, float] | None]
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it has no token
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None = None) -> SampleResult:
-    """Sample one token per row of logits [len(rows), vocab] (fp32).
+    """Sample one token per row of logits [len(rows), vocab] (fp32; not modified).
 
-    logits is consumed: it is modified in place (penalties, masks, temperature), so pass a
-    copy if you need it afterwards.
+    Rows whose logits are not finite are left out and named in `errors` (see the module docstring).
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {list(logits.shape)}")
-    logits = logits.float().contiguous()  # no-ops for the fp32 logits the runner produces
+    bad = torch.nonzero(~torch.isfinite(logits).all(-1)).flatten().tolist()
+    if bad:
+        return _without_rows(logits, rows, eos_token_id, bad)
+    work = logits.float().contiguous()  # no-ops for the fp32 logits the runner produces
 
     logprob_rows, greedy_rows, random_rows = [], [], []
     processed = False
@@ -62,12 +70,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
         processed = processed or _penalized(p) or len(row.output_token_ids) < p.min_tokens
         (greedy_rows if p.greedy else random_rows).append(i)
     if not (logprob_rows or processed or random_rows):
-        return SampleResult(logits.argmax(-1).tolist(), [None] * len(rows))
+        return _checked(SampleResult(work.argmax(-1).tolist(), [None] * len(rows)), work.shape[1])
+    # The stages below work in place: the caller's logits stay as they were.
+    logits = work.clone() if work is logits and (processed or random_rows) else work
 
     # vLLM returns logprobs of the model's distribution, not of the processed one.
     raw_logprobs = _take(logits, logprob_rows).log_softmax(-1) if logprob_rows else None
     if processed:
-        logits = apply_penalties(logits, rows)
+        # A logit divided by a repetition penalty that is 0 in float32 is inf: saturate it (it wins the draw).
+        fmax = torch.finfo(logits.dtype).max
+        logits = apply_penalties(logits, rows).clamp_(-fmax, fmax)
         _mask_stop_tokens(logits, rows, eos_token_id)
 
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
@@ -81,7 +93,31 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
         counts = [rows[i].params.logprobs for i in logprob_rows]
         for i, d in zip(logprob_rows, _logprob_dicts(raw_logprobs, _take(tokens, logprob_rows), counts)):
             logprobs[i] = d
-    return SampleResult(tokens.tolist(), logprobs)
+    return _checked(SampleResult(tokens.tolist(), logprobs), logits.shape[1])
+
+
+def _without_rows(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None,
+                  bad: list[int]) -> SampleResult:
+    """Sample the rows not in `bad`; the `bad` rows (non-finite logits) get -1 and an error."""
+    good = [i for i in range(len(rows)) if i not in set(bad)]
+    result = SampleResult([-1] * len(rows), [None] * len(rows))
+    if good:
+        sub = sample(_take(logits, good), [rows[i] for i in good], eos_token_id)
+        for j, i in enumerate(good):
+            result.token_ids[i], result.logprobs[i] = sub.token_ids[j], sub.logprobs[j]
+        result.errors = {good[j]: e for j, e in sub.errors.items()}
+    for i in bad:
+        result.errors[i] = "the model produced non-finite logits (NaN or inf) for this sequence"
+    return result
+
+
+def _checked(result: SampleResult, vocab: int) -> SampleResult:
+    """Turn any id outside [0, vocab) into an error for its row: never hand one to the model."""
+    for i, t in enumerate(result.token_ids):
+        if not 0 <= t < vocab and i not in result.errors:
+            result.token_ids[i] = -1
+            result.errors[i] = f"the sampler drew token id {t}, outside the vocabulary [0, {vocab})"
+    return result
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -189,7 +225,9 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     """Draw a token for each row of logits (owned: modified in place); returns ids [len(rows)]."""
     vocab = logits.shape[1]
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
-    logits.div_(temperature[:, None])
+    # The row's maximum is subtracted before dividing by the temperature, so that no logit can overflow to
+    # +inf (and inf - inf to NaN): the most likely token gets 0, every other one a finite or -inf value.
+    logits.sub_(logits.amax(-1, keepdim=True)).div_(temperature[:, None])
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
 
     truncated, plain = [], []
@@ -197,9 +235,8 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         p = r.params
         (truncated if 0 < p.top_k < vocab or p.top_p < 1 else plain).append(j)
     if plain:
-        # Weights relative to the most likely token, so min-p is a plain threshold on them.
-        w = _take(logits, plain)
-        w.sub_(w.amax(-1, keepdim=True)).exp_()
+        # Weights relative to the most likely token (its logit is 0 now), so min-p is a plain threshold on them.
+        w = _take(logits, plain).exp_()
         min_p = torch.tensor([rows[j].params.min_p for j in plain], dtype=w.dtype, device=w.device)
         if bool((min_p > 0).any()):
             w.masked_fill_(w < min_p[:, None], 0)

@@ -4,11 +4,14 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from kvcache.messages import describe
+
 # vLLM treats temperatures below this as 0: dividing logits by it would only overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64  # each is searched for after every token
+MAX_STOP_TOKEN_IDS = 1024  # each is looked up after every token
 # Sample i of a request is seeded with seed + i, which must fit torch's 64-bit generator seed.
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1 - MAX_N
 
@@ -102,25 +105,28 @@ class SamplingParams:
 
 def _check(name: str, value: object, ok: bool, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{name} must be {allowed}, got {describe(value)}")
 
 
 def _int(name: str, value: object) -> int:
     # bool is an Integral, but n=True or max_tokens=False is always a caller bug.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {describe(value)}")
     return int(value)
 
 
 def _float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    return float(value)
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {describe(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an int too large for a float
+        raise ValueError(f"{name} must be a finite number, got {describe(value)}") from None
 
 
 def _bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {describe(value)}")
     return value
 
 
@@ -130,12 +136,12 @@ def _stop_strings(stop: object) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)):
-        raise TypeError(f"stop must be a str, a list of str or None, got {type(stop).__name__} {stop!r}")
+        raise TypeError(f"stop must be a str, a list of str or None, got {type(stop).__name__} {describe(stop)}")
     if len(stop) > MAX_STOP_STRINGS:
         raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
     for s in stop:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop entries must be non-empty strings, got {s!r}")
+            raise ValueError(f"stop entries must be non-empty strings, got {describe(s)}")
     return list(stop)
 
 
@@ -143,8 +149,10 @@ def _stop_token_ids(ids: object) -> list[int]:
     if ids is None:
         return []
     if not isinstance(ids, (list, tuple)):
-        raise TypeError(f"stop_token_ids must be a list of int or None, got {type(ids).__name__} {ids!r}")
+        raise TypeError(f"stop_token_ids must be a list of int or None, got {type(ids).__name__} {describe(ids)}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids):,}")
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
-            raise ValueError(f"stop_token_ids entries must be ints >= 0, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < 2**63:
+            raise ValueError(f"stop_token_ids entries must be ints in [0, 2**63), got {describe(t)}")
     return [int(t) for t in ids]

@@ -340,3 +340,70 @@ def test_probabilities_of_dropped_tokens_are_never_drawn():
     logits = torch.arange(10, dtype=torch.float32).expand(5000, 10)
     tokens = draw(logits, [row(temperature=2.0, top_k=3) for _ in range(5000)])
     assert set(tokens) == {7, 8, 9}
+
+
+# ---- whatever the logits, an id in the vocabulary or an error ---------------------------------------
+
+
+def test_rows_with_non_finite_logits_get_an_error_and_the_others_their_tokens():
+    logits = torch.randn(5, 300)
+    logits[1, 7] = float("nan")
+    logits[2, 9] = float("inf")
+    logits[3] = float("-inf")
+    rows = [row(temperature=0), row(temperature=1.0, seed=1), row(temperature=0), row(temperature=0.5, top_p=0.9),
+            row(temperature=1.0, seed=2, logprobs=2)]
+    result = sample(logits, rows)
+    assert sorted(result.errors) == [1, 2, 3] and all("non-finite" in e for e in result.errors.values())
+    assert [result.token_ids[i] for i in (1, 2, 3)] == [-1, -1, -1]
+    assert result.token_ids[0] == logits[0].argmax().item()
+    alone = sample(logits[4:5], [row(temperature=1.0, seed=2, logprobs=2)])
+    assert result.token_ids[4] == alone.token_ids[0] and result.logprobs[4] == alone.logprobs[0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1e-4])
+def test_a_repetition_penalty_that_underflows_float32_still_draws_a_seen_token(temperature):
+    """1e-300 is 0.0 in float32: a positive seen logit divided by it is inf; saturated, it wins the draw."""
+    logits = torch.randn(1, 500)
+    seen = [3, 40, 41, 250]
+    logits[0, seen] = torch.tensor([2.0, 1.0, -1.0, 0.5])
+    tokens = {sample(logits, [row(prompt=seen, repetition_penalty=1e-300, temperature=temperature)]).token_ids[0]
+              for _ in range(20)}
+    assert tokens and tokens <= {3, 40, 250}  # the seen tokens whose logits were positive
+
+
+def test_sampling_leaves_the_callers_logits_alone():
+    logits = torch.randn(3, 200)
+    before = logits.clone()
+    sample(logits, [row(prompt=[1, 2], repetition_penalty=1.5, temperature=0.7, top_k=20, min_tokens=2),
+                    row(temperature=1.0, seed=3), row(output=[5], frequency_penalty=1.0, temperature=0)], eos_token_id=2)
+    assert torch.equal(logits, before)
+
+
+EXTREME = st.sampled_from([0.0, 1.0, -1.0, 1e30, -1e30, 3.4e38, -3.4e38, 1e-45, float("inf"), float("-inf"),
+                           float("nan")])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_every_sampled_id_is_in_the_vocabulary(data):
+    vocab = data.draw(st.integers(2, 80))
+    n = data.draw(st.integers(1, 5))
+    logits = torch.randn(n, vocab) * data.draw(st.sampled_from([1.0, 1e3, 1e30]))
+    for _ in range(data.draw(st.integers(0, 6))):
+        logits[data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, vocab - 1))] = data.draw(EXTREME)
+    ids = st.lists(st.integers(0, vocab - 1), max_size=6)
+    rows = [row(prompt=data.draw(ids), output=data.draw(ids), seed=data.draw(st.none() | st.integers(0, 99)),
+                temperature=data.draw(st.sampled_from([0.0, 1e-5, 0.01, 1.0, 2.0])),
+                top_p=data.draw(st.sampled_from([1.0, 0.5, 1e-46])), top_k=data.draw(st.sampled_from([0, 1, 5])),
+                min_p=data.draw(st.sampled_from([0.0, 0.5, 1.0])),
+                repetition_penalty=data.draw(st.sampled_from([1.0, 2.0, 1e-300, 1e-40])),
+                frequency_penalty=data.draw(st.sampled_from([0.0, 2.0, -2.0])),
+                presence_penalty=data.draw(st.sampled_from([0.0, -2.0])))
+            for _ in range(n)]
+    result = sample(logits, rows)
+    finite = torch.isfinite(logits).all(-1).tolist()
+    for i, t in enumerate(result.token_ids):
+        if finite[i]:
+            assert i not in result.errors and 0 <= t < vocab
+        else:
+            assert i in result.errors and t == -1

@@ -1,0 +1,81 @@
+"""What the engine hands back: a request's outputs, its samples, its timings, and how they are assembled."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvcache.engine.sampling_params import SamplingParams
+from kvcache.engine.sequence import Sequence
+
+# finish_reason values: vLLM's stop, length and abort, and "error" for a request the engine failed
+# (its blocks are freed and RequestOutput.error says why; the other requests carry on).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n samples."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # one of FINISH_REASONS, None while running
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic seconds) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's samples so far (streaming) or at the end. `error` is set, for the client to read, when the
+    engine failed this request (finish_reason "error"); the details are in the server log under its id."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """The engine's state of one request: its sequences (n of them once the prompt is prefilled)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    stream: bool
+    cache_salt: str | None = None
+    error: str | None = None  # set when the engine failed it
+
+    @property
+    def finished(self) -> bool:
+        if self.error is not None:
+            return True
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+def request_output(req: Request, finished: bool, detokenize: Callable[[Sequence], str]) -> RequestOutput:
+    """The client's view of `req`: one CompletionOutput per sequence, in sample order."""
+    comps = []
+    for s in sorted(req.seqs, key=lambda s: s.index):
+        text = s.text if s.stop_reason in s.params.stop else detokenize(s)
+        logprobs = s.params.logprobs is not None
+        comps.append(CompletionOutput(s.index, text, s.output_token_ids, s.finish_reason, s.stop_reason,
+                                      s.logprobs if logprobs else None, s.cumulative_logprob if logprobs else None))
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished, req.metrics, req.error)
