@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat, streaming, tokenize, models, health, metrics.
 
 Every error reaches the client as {"error": {"message", "type", "param", "code"}} with a 4xx/5xx
-status; no stack trace leaves the server. A client that disconnects has its request aborted.
+status and a message written for the client; tracebacks go to the log only, under the request id that
+every response carries in its `x-request-id` header (and 5xx messages in their text). A client that
+disconnects has its request aborted.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pydantic import ValidationError
 
 from kvcache.engine.llm_engine import RequestOutput
 from kvcache.engine.sampling_params import SamplingParams
+from kvcache.messages import describe
 from kvcache.server.engine_loop import EngineDeadError, EngineLoop
 from kvcache.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, validation_error)
@@ -37,11 +40,6 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     app.add_middleware(Guard, expected_auth=expected_auth, max_body_bytes=max_body_bytes)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):  # never a stack trace to the client
-        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-        return _error(APIError(500, "internal server error", type="server_error"))
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
@@ -63,8 +61,10 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
                 raise APIError(413, f"request body is over the {max_body_bytes:,}-byte limit", code="body_too_large")
         try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            raise APIError(400, "the request body is not valid JSON (or nests too deeply)", code="invalid_json") from None
+        except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an int over 4,300 digits
+            why = "an integer has too many digits" if "digits" in str(e) else "it nests too deeply" if isinstance(
+                e, RecursionError) else "it is malformed"
+            raise APIError(400, f"the request body is not valid JSON: {why}", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
         try:
@@ -77,9 +77,14 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
         return req
 
     def admit(n: int) -> None:
-        """Refuse `n` more requests if the engine is down or the queue would pass its limit."""
+        """Refuse `n` more requests if the engine is down or the queue would pass its limit: 503 if it may
+        succeed later, 400 if it never can."""
         if not loop.alive:
             raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
+        if n > max_waiting_requests:
+            raise APIError(400, f"the request has {n:,} prompts but this server queues at most "
+                                f"{max_waiting_requests:,} (--max-waiting-requests); send fewer per request",
+                           param="prompt", code="too_many_prompts")
         if loop.num_waiting + n > max_waiting_requests:
             raise APIError(503, f"{loop.num_waiting} requests are waiting and this one adds {n} (limit "
                                 f"{max_waiting_requests}); retry later", type="server_overloaded",
@@ -126,7 +131,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
         vocab = engine.model.config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {describe(bad[:5])}", param="tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
 
     # ---- generation --------------------------------------------------------------------------------
@@ -157,7 +162,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
 
     async def _generate(request: Request, req, prefix: str, kind: str, prompts: list[list[int]], params):
         eviction = req.eviction(loop.engine.config.eviction)
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+        rid = f"{prefix}-{request.state.request_id}"
         out: asyncio.Queue = asyncio.Queue()
         ids = [f"{rid}-{i}" for i in range(len(prompts))]
         # No await between the queue-limit check and queueing every prompt: a burst cannot overshoot it.
@@ -165,15 +170,15 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
         try:
             accepted = [loop.enqueue(sub_id, p, params, True, req.cache_salt, out, eviction)[1]
                         for sub_id, p in zip(ids, prompts)]
-        except EngineDeadError as e:
-            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+        except EngineDeadError:
+            raise _engine_dead(rid) from None
         errors = [r for r in await asyncio.gather(*accepted, return_exceptions=True) if r is not None]
         if errors:  # one bad prompt of several: none of them runs
             for sub_id in ids:
                 loop.abort(sub_id)
             e = errors[0]
             if isinstance(e, EngineDeadError):
-                raise APIError(503, str(e), type="server_error", code="engine_dead")
+                raise _engine_dead(rid)
             if isinstance(e, ValueError):
                 raise APIError(400, str(e), param=_param_of(str(e)))
             raise e
@@ -181,35 +186,62 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
         if req.stream:
             body = _stream(request, loop, out, ids, rid, kind, created, model_name, params, req.include_usage)
             return StreamingResponse(body, media_type="text/event-stream")
-        finals = await _collect(request, loop, out, ids)
+        finals = await _collect(request, loop, out, ids, rid)
         return _response(finals, ids, rid, kind, created, model_name, params.n)
 
     return app
 
 
 class Guard:
-    """Plain ASGI middleware (so that handlers still see client disconnects): the API key on every path but
-    OPEN_PATHS, and the body-size limit by Content-Length (bodies without one are checked when read)."""
+    """Plain ASGI middleware (so that handlers still see client disconnects): a request id for every request
+    (`request.state.request_id`, echoed in the `x-request-id` header), the API key on every path but
+    OPEN_PATHS, the body-size limit by Content-Length (bodies without one are checked when read), and the
+    last word on any error a handler did not turn into an APIError: logged with its traceback and the request
+    id, answered with a plain 500 that keeps the connection usable (Starlette's own handler for Exception
+    re-raises to the server, which then drops the connection)."""
 
     def __init__(self, app, expected_auth: bytes | None, max_body_bytes: int) -> None:
         self.app, self.expected_auth, self.max_body_bytes = app, expected_auth, max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            error = None
-            if self.expected_auth and scope["path"] not in OPEN_PATHS and not hmac.compare_digest(
-                    headers.get(b"authorization", b""), self.expected_auth):
-                error = APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                                 type="authentication_error", code="invalid_api_key")
-            length = headers.get(b"content-length", b"")
-            if error is None and length.isdigit() and int(length) > self.max_body_bytes:
-                error = APIError(413, f"request body of {int(length):,} bytes is over the {self.max_body_bytes:,}-byte "
-                                      "limit", code="body_too_large")
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        error = self._refusal(scope)
+        try:
             if error is not None:
-                await _error(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+                await _error(error)(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
+        except Exception as e:
+            log.error("request %s: unhandled error in %s %s", request_id, scope["method"], scope["path"], exc_info=e)
+            if not started:  # else the response is under way: it ends where it is
+                await _error(APIError(500, f"internal server error (request id {request_id})", type="server_error",
+                                      code="internal_error"))(scope, receive, send_with_id)
+
+    def _refusal(self, scope) -> APIError | None:
+        """A missing or wrong API key (401) or a declared body over the limit (413), else None."""
+        headers = dict(scope["headers"])
+        if self.expected_auth and scope["path"] not in OPEN_PATHS and not hmac.compare_digest(
+                headers.get(b"authorization", b""), self.expected_auth):
+            return APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                            type="authentication_error", code="invalid_api_key")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and len(length) < 20 and int(length) > self.max_body_bytes:
+            return APIError(413, f"request body of {int(length):,} bytes is over the {self.max_body_bytes:,}-byte "
+                                 "limit", code="body_too_large")
+        return None
 
 
 def _params(req, max_tokens):
@@ -242,8 +274,20 @@ def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-async def _collect(request: Request, loop: EngineLoop, out: asyncio.Queue, ids: list[str]) -> dict[str, RequestOutput]:
-    """Wait for every sub-request's final output; abort all if the client disconnects."""
+def _engine_dead(rid: str) -> APIError:
+    return APIError(503, f"the engine has stopped and this server is shutting down; retry once it is back "
+                         f"(request id {rid})", type="server_error", code="engine_dead")
+
+
+def _engine_failed(rid: str, error: str) -> APIError:
+    """A request the engine failed (RequestOutput.error): the server's fault, not the client's."""
+    return APIError(500, f"{error} (request id {rid}; the server log has the details)", type="server_error",
+                    code="engine_error")
+
+
+async def _collect(request: Request, loop: EngineLoop, out: asyncio.Queue, ids: list[str],
+                   rid: str) -> dict[str, RequestOutput]:
+    """Wait for every sub-request's final output; abort all if the client disconnects or the engine fails one."""
     finals: dict[str, RequestOutput] = {}
     open_ids = set(ids)
     next_check = time.monotonic() + DISCONNECT_POLL_S
@@ -260,9 +304,13 @@ async def _collect(request: Request, loop: EngineLoop, out: asyncio.Queue, ids: 
         except asyncio.TimeoutError:
             continue
         if isinstance(item, BaseException):
-            raise APIError(503, f"the engine stopped: {item}", type="server_error", code="engine_dead")
+            raise _engine_dead(rid)
         if isinstance(item, tuple):
             open_ids.discard(item[0])
+        elif item.error is not None:
+            for sub_id in open_ids:
+                loop.abort(sub_id)
+            raise _engine_failed(rid, item.error)
         elif item.finished:
             finals[item.request_id] = item
     return finals
@@ -325,12 +373,14 @@ async def _stream(request: Request, loop: EngineLoop, out: asyncio.Queue, ids: l
                     yield chunk(index_of[sub_id] * params.n + j, None, None, role=True)
         while open_ids:
             item = await out.get()
-            if isinstance(item, BaseException):
-                yield _sse(APIError(503, f"the engine stopped: {item}", type="server_error").body())
-                return
             if isinstance(item, tuple):
                 open_ids.discard(item[0])
                 continue
+            if isinstance(item, BaseException) or item.error is not None:  # vLLM's way: an error event, then [DONE]
+                error = _engine_dead(rid) if isinstance(item, BaseException) else _engine_failed(rid, item.error)
+                yield _sse(error.body())
+                yield "data: [DONE]\n\n"
+                return
             for c in item.outputs:
                 key = (item.request_id, c.index)
                 if key in ended:

@@ -2,8 +2,12 @@
 
 LLMEngine is not thread-safe, so only this thread touches it. Each step batches every
 running request (continuous batching across HTTP requests); each request's outputs are put
-on its asyncio queue with `call_soon_threadsafe`. If a step raises, the loop stops, every
-pending request gets the error, and `alive` turns False (GET /health answers 503).
+on its asyncio queue with `call_soon_threadsafe`. A request the engine fails arrives as a
+finished output with its error; the loop carries on. Only when the engine itself gives up
+(EngineDeadError: several steps in a row failed with no request to blame) or the thread is
+killed does the loop stop: every pending request gets the error, `alive` turns False (GET
+/health answers 503) and `on_dead` is called, which `kvcache serve` uses to shut the server
+down with a non-zero exit status, so that its supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -14,15 +18,14 @@ import threading
 import time
 from dataclasses import dataclass
 
+from collections.abc import Callable
+
 from kvcache.compress.spec import EvictionSpec
-from kvcache.engine.llm_engine import LLMEngine, RequestOutput
+from kvcache.engine.llm_engine import EngineDeadError, LLMEngine, RequestOutput
 from kvcache.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvcache.server")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (a step raised, or the server is shutting down)."""
+__all__ = ["EngineDeadError", "EngineLoop"]
 
 
 @dataclass(slots=True)
@@ -34,10 +37,12 @@ class _Stream:
 class EngineLoop:
     """Runs `engine.step()` in a thread while requests are unfinished; sleeps on the command queue otherwise."""
 
-    def __init__(self, engine: LLMEngine, metrics=None, log_interval_s: float = 10.0) -> None:
+    def __init__(self, engine: LLMEngine, metrics=None, log_interval_s: float = 10.0,
+                 on_dead: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.log_interval_s = log_interval_s
+        self.on_dead = on_dead  # called from the engine thread once it has failed every pending request
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="kvcache-engine", daemon=True)
@@ -143,18 +148,28 @@ class EngineLoop:
                     continue
                 outputs = self.engine.step()
                 now = time.monotonic()
-                if self.metrics:
-                    self.metrics.on_step(outputs, now)
                 for out in outputs:
                     self._deliver(out)
-                if self.metrics and now - last_log >= self.log_interval_s:
-                    log.info(self.metrics.log_line())
-                    last_log = now
+                if self.metrics:
+                    last_log = self._record(outputs, now, last_log)
         except BaseException as e:
             self.error = e
             log.exception("the engine loop stopped")
         finally:
             self._fail_all(self.error or EngineDeadError("the server is shutting down"))
+            if self.error is not None and self.on_dead is not None:
+                self.on_dead()
+
+    def _record(self, outputs: list[RequestOutput], now: float, last_log: float) -> float:
+        """Metrics of a step, and the periodic log line; a metrics bug is logged, never fatal to serving."""
+        try:
+            self.metrics.on_step(outputs, now)
+            if now - last_log >= self.log_interval_s:
+                log.info(self.metrics.log_line())
+                return now
+        except Exception:
+            log.exception("recording the step's metrics failed")
+        return last_log
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

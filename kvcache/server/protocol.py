@@ -27,14 +27,20 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Unknown fields are ignored (as vLLM does); NaN and infinities are refused in every number field.
+_LENIENT = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
+    model_config = _LENIENT
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _LENIENT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -67,8 +73,12 @@ class _Sampling(BaseModel):
         if self.kv_eviction is None and self.kv_budget is None:
             return None
         try:
-            budget = parse_budget(self.kv_budget) if self.kv_budget is not None else default.budget
-            return EvictionSpec(self.kv_eviction or default.policy, budget)
+            policy = self.kv_eviction or default.policy
+            if self.kv_budget is not None:
+                budget = parse_budget(self.kv_budget)
+            else:  # the server's budget goes with the server's policy, or with another one the request names
+                budget = default.budget if policy != "none" else None
+            return EvictionSpec(policy, budget)
         except ValueError as e:
             param = "kv_eviction" if str(e).startswith("kv_eviction") else "kv_budget"
             raise APIError(400, str(e), param=param) from None
@@ -109,12 +119,14 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(BaseModel):
+    model_config = _LENIENT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _LENIENT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -139,7 +151,7 @@ class ChatCompletionRequest(_Sampling):
 class TokenizeRequest(BaseModel):
     """POST /tokenize: a prompt, or chat messages (the chat template applied)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _LENIENT
 
     model: str | None = None
     prompt: str | None = None
@@ -148,7 +160,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _LENIENT
 
     model: str | None = None
     tokens: list[int]
@@ -158,9 +170,15 @@ def validation_error(exc) -> APIError:
     """A pydantic ValidationError (or FastAPI's RequestValidationError) as one OpenAI-style 400."""
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    # A union's errors are located under the member that was tried ("kv_budget.int"): name the field only.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_member(p)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON", code="invalid_json")
     msg = first.get("msg", "invalid request")
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+def _union_member(part: object) -> bool:
+    """Whether a pydantic error location part names a union member ('int', 'list[int]', 'function-after[...]')."""
+    return isinstance(part, str) and (part in ("int", "float", "str", "bool", "none") or "[" in part)

@@ -8,6 +8,7 @@ import os
 from kvcache.config import EngineConfig, parse_bytes
 
 log = logging.getLogger("kvcache.server")
+ENGINE_DEAD_STATUS = 3  # `kvcache serve` exits with it when the engine died (2 is bad input, as for every command)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -63,8 +64,24 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                        parse_bytes(args.max_request_body), args.log_interval)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", args.host)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    return serve_until_dead(server, loop)
+
+
+def serve_until_dead(server, loop) -> int:
+    """Run the uvicorn `server` until it is stopped (0) or the engine dies (ENGINE_DEAD_STATUS): a dead engine
+    shuts the server down, after its pending requests got their 503s, so that a supervisor (systemd,
+    Kubernetes) restarts the process instead of leaving one that answers 503 for ever."""
+    def shut_down() -> None:
+        log.error("the engine has stopped; shutting the server down (exit status %d)", ENGINE_DEAD_STATUS)
+        server.should_exit = True  # uvicorn polls it; pending requests have been answered already
+
+    loop.on_dead = shut_down
+    if loop.error is not None:  # died before the callback was set
+        shut_down()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+        server.run()
     finally:
         loop.stop()
-    return 0
+    return ENGINE_DEAD_STATUS if loop.error is not None else 0

@@ -6,6 +6,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 API_KEY = "test-key"
 MODEL = "tiny"
 
@@ -30,8 +33,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, **kwargs) -> LiveServer:
-    """Build engine, loop and app, and run uvicorn in a thread until it accepts connections."""
+def start_server(model_dir: str, run=None, **kwargs) -> LiveServer:
+    """Build engine, loop and app, and run uvicorn in a thread until it accepts connections: `server.run()`,
+    or `run(server, loop)` if given (as `kvcache serve` runs it)."""
     import uvicorn
 
     from kvcache.config import EngineConfig
@@ -43,7 +47,7 @@ def start_server(model_dir: str, **kwargs) -> LiveServer:
     app, loop = create(config, served_model_name=MODEL, api_key=kwargs.pop("api_key", API_KEY), **kwargs)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run if run is None else lambda: run(server, loop), daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -51,3 +55,13 @@ def start_server(model_dir: str, **kwargs) -> LiveServer:
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     return LiveServer(f"http://127.0.0.1:{port}", app, loop, server, thread)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of /metrics, keyed by name and labels other than model_name."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out

@@ -6,21 +6,10 @@ import asyncio
 import json
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from live_server import API_KEY, MODEL, start_server
+from live_server import API_KEY, MODEL, scrape, start_server
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of /metrics, keyed by name and labels other than model_name."""
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 def _body(i: int, max_tokens: int) -> dict:
@@ -112,7 +101,8 @@ def test_waiting_limit_answers_503_with_retry_after(tiny_llama):
         answers = asyncio.run(main())
         refused = [r for r in answers if r.status_code == 503]
         assert refused and all(r.status_code == 200 for r in answers if r not in refused)
-        assert len(answers) - len(refused) >= 3  # the running one and the two waiting at least
+        # The two waiting at least; the first is not yet running if all 12 arrive before the engine's next step.
+        assert len(answers) - len(refused) >= 2
         for r in refused:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "server_overloaded"
         asyncio.run(_wait_idle(srv.loop))
