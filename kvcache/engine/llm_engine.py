@@ -113,6 +113,7 @@ class LLMEngine:
         self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.shape.num_kv_heads,
                                self.model.layers[0].scale, self.device)
         self.eos_token_ids = self._eos_ids(hf)
+        self._sampler_eos = next(iter(self.eos_token_ids), None)  # the EOS min_tokens forbids
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
@@ -223,13 +224,27 @@ class LLMEngine:
             raise ValueError(f"prompt has {n_prompt:,} tokens; max_model_len is {self.max_model_len:,} "
                              "(at least one output token must fit)")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if max_tokens > self.max_model_len:  # checked first: a client's number may have thousands of digits
+            raise ValueError(f"max_tokens {describe(max_tokens)} is above max_model_len {self.max_model_len:,}")
         if n_prompt + max_tokens > self.max_model_len:
             raise ValueError(f"prompt has {n_prompt:,} tokens and max_tokens is {max_tokens:,}: "
                              f"{n_prompt + max_tokens:,} is above max_model_len {self.max_model_len:,}")
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens {describe(params.min_tokens)} is above the {max_tokens:,} output tokens this "
+                             "request can have")
+        if params.min_tokens and self._stops_cover_vocab(params):
+            raise ValueError(f"min_tokens {params.min_tokens} cannot be honoured: stop_token_ids and EOS are every "
+                             "token of the vocabulary, so nothing is left to sample before min_tokens")
         if not self.config.enable_chunked_prefill and n_prompt > self.config.max_num_batched_tokens:
             raise ValueError(f"prompt has {n_prompt:,} tokens but chunked prefill is off and a step takes at most "
                              f"max_num_batched_tokens={self.config.max_num_batched_tokens:,}")
         return max_tokens
+
+    def _stops_cover_vocab(self, params: SamplingParams) -> bool:
+        """Whether masking EOS and stop_token_ids (as min_tokens does) leaves no token to sample."""
+        vocab = self.model.config.vocab_size
+        stops = {t for t in params.stop_token_ids if t < vocab} | {self._sampler_eos}
+        return len(stops - {None}) >= vocab
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; ValueError if the tokenizer cannot encode it (a lone surrogate, for one)."""
@@ -281,23 +296,29 @@ class LLMEngine:
                 self._fail(self.requests[seq.request_id], "the request cannot be scheduled: its blocks do not fit "
                            "in the free KV pool", RuntimeError("scheduler made no progress"))
             return self._collect_outputs(set())
+        copies, self._pending_copies = self._pending_copies, []
+        copy_owners, self._copy_owners = self._copy_owners, set()
+        try:
+            touched = self._run(sched.chunks, copies)
+        except Exception as e:  # the forward, or a fault outside any one request's share of the step
+            self.runner.captured = []
+            self._batch_failed([seq for seq, _ in sched.chunks], e, copy_owners)
+            return self._collect_outputs(set())
+        self._consecutive_failures = 0
+        return self._collect_outputs(touched)
+
+    def _run(self, chunks: list[tuple[Sequence, int]], copies: list[tuple[int, int]]) -> set[str]:
+        """The forward of the scheduled `chunks`, then each sequence's bookkeeping (prefix caching, eviction,
+        sampling, stop checks), isolated per request; returns the requests that got tokens."""
         now = time.monotonic()
-        for seq, n in sched.chunks:
+        for seq, n in chunks:
             req = self.requests[seq.request_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:  # not a decode
                 self.stats.prefill_tokens_computed += n
-        copies, self._pending_copies = self._pending_copies, []
-        copy_owners, self._copy_owners = self._copy_owners, set()
-        try:
-            sampled, logits, specs = self.runner.execute(sched.chunks, copies)
-        except Exception as e:
-            self.runner.captured = []
-            self._batch_failed([seq for seq, _ in sched.chunks], e, copy_owners)
-            return self._collect_outputs(set())
-        self._consecutive_failures = 0
-        for seq, n in sched.chunks:
+        sampled, logits, specs = self.runner.execute(chunks, copies)
+        for seq, n in chunks:
             seq.num_computed_tokens += n
             self._isolated(seq, "caching its prefix blocks", self.kv.cache_blocks, seq.seq_id, seq.token_ids,
                            seq.num_computed_tokens, seq.extra_key)
@@ -305,7 +326,7 @@ class LLMEngine:
         used = self.kv.pool.num_usable - self.kv.num_free_blocks  # before eviction: the step's true peak
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
         row = 0  # into the queries captured for eviction, in chunk order
-        for (seq, _), spec in zip(sched.chunks, specs):
+        for (seq, _), spec in zip(chunks, specs):
             if seq.eviction:  # after cache_blocks: a compaction leaves the prompt's blocks to the prefix cache
                 r = len(spec.capture)
                 queries = [q[row:row + r] for q in self.runner.captured]
@@ -313,8 +334,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self._isolated(seq, "evicting its KV tokens", self.evictor.after_forward, seq.seq_id,
                                    seq.eviction, spec, queries, seq.num_computed_tokens)
-        touched = self._sample_and_append(sampled, logits)
-        return self._collect_outputs(touched)
+        return self._sample_and_append(sampled, logits)
 
     def _isolated(self, seq: Sequence, what: str, fn, *args) -> None:
         """fn(*args); if it raises, only `seq`'s request fails."""
@@ -415,7 +435,7 @@ class LLMEngine:
         """(token, logprobs) per sequence. A row the sampler refuses, or that raises when sampled alone after
         the whole batch raised, fails its request; its pair is then (-1, None)."""
         rows = [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids) for s in seqs]
-        eos = next(iter(self.eos_token_ids), None)
+        eos = self._sampler_eos
         # A batch that raises is sampled again row by row, each seeded row from where its generator was.
         states = [r.generator.get_state() if r.generator is not None else None for r in rows]
         try:

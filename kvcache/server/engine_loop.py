@@ -34,6 +34,20 @@ class _Stream:
     queue: asyncio.Queue  # RequestOutput items, then (request_id, None) when done, or an exception
 
 
+@dataclass(slots=True)
+class _Add:
+    """A request for the engine thread to add, and where to tell the handler it was taken."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    add_special_tokens: bool
+    cache_salt: str | None
+    eviction: EvictionSpec | None
+    stream: _Stream
+    accepted: asyncio.Future
+
+
 class EngineLoop:
     """Runs `engine.step()` in a thread while requests are unfinished; sleeps on the command queue otherwise."""
 
@@ -92,8 +106,8 @@ class EngineLoop:
             if self._closed or not self.alive:
                 raise EngineDeadError("the engine loop is not running")
             self._submitted += 1
-            self._commands.put(("add", request_id, prompt, params, add_special_tokens, cache_salt, eviction, stream,
-                                accepted))
+            self._commands.put(_Add(request_id, prompt, params, add_special_tokens, cache_salt, eviction, stream,
+                                    accepted))
         return stream.queue, accepted
 
     async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -110,18 +124,18 @@ class EngineLoop:
 
     # ---- the engine thread ----------------------------------------------------------------------------
 
-    def _handle(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, rid, prompt, params, special, salt, eviction, stream, accepted = cmd
+    def _handle(self, cmd: _Add | tuple) -> None:
+        if isinstance(cmd, _Add):
             self._taken += 1
             try:
-                self.engine.add_request(rid, prompt, params, stream=True, add_special_tokens=special, cache_salt=salt,
-                                        eviction=eviction)
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, stream=True,
+                                        add_special_tokens=cmd.add_special_tokens, cache_salt=cmd.cache_salt,
+                                        eviction=cmd.eviction)
             except Exception as e:  # the handler turns it into an HTTP error
-                stream.loop.call_soon_threadsafe(_settle, accepted, e)
+                cmd.stream.loop.call_soon_threadsafe(_settle, cmd.accepted, e)
                 return
-            self._streams[rid] = stream
-            stream.loop.call_soon_threadsafe(_settle, accepted, None)
+            self._streams[cmd.request_id] = cmd.stream
+            cmd.stream.loop.call_soon_threadsafe(_settle, cmd.accepted, None)
         elif cmd[0] == "abort":
             rid = cmd[1]
             if self.engine.abort_request(rid) and self.metrics:
@@ -140,7 +154,7 @@ class EngineLoop:
                     while True:
                         cmd = self._commands.get(block=block)
                         block = False
-                        if cmd[0] != "stop":
+                        if cmd != ("stop",):
                             self._handle(cmd)
                 except queue.Empty:
                     pass
@@ -188,8 +202,8 @@ class EngineLoop:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if cmd[0] == "add":
-                cmd[6].loop.call_soon_threadsafe(_settle, cmd[7], EngineDeadError(str(error)))
+            if isinstance(cmd, _Add):
+                cmd.stream.loop.call_soon_threadsafe(_settle, cmd.accepted, EngineDeadError(str(error)))
         for stream in self._streams.values():
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(str(error)))
         self._streams.clear()

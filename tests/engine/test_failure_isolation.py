@@ -205,3 +205,15 @@ def test_the_offline_api_returns_the_failed_request_among_the_others(llm, engine
     outs = llm.generate([[5, 6, 7], BAD[0]], [SamplingParams(max_tokens=4, temperature=0), BAD[1]], use_tqdm=False)
     assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 4
     assert_failed(outs[1], "sampling")
+
+
+@pytest.mark.parametrize("params, words", [
+    (SamplingParams(max_tokens=10**4000), "max_tokens 1000"),  # no int-to-str limit error in the message
+    (SamplingParams(max_tokens=None, min_tokens=10**4000), "min_tokens 1000"),
+    (SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=list(range(320))), "every token of the vocabulary"),
+])
+def test_requests_the_sampler_could_not_serve_are_refused_up_front(engine, params, words):
+    with pytest.raises(ValueError, match=words) as e:
+        engine.add_request("r", [5, 6, 7], params)
+    assert len(str(e.value)) < 300
+    assert not engine.requests

@@ -21,7 +21,7 @@ H = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 VOCAB = 320  # the tiny model's
 MAX_MODEL_LEN = 64  # keeps the valid requests short
 EXAMPLES = int(os.environ.get("KVCACHE_FUZZ_EXAMPLES", "0"))
-INTERNALS = ("Traceback", "frame #", 'File "', "c10::", "THPUtils", "torch.")
+INTERNALS = ("Traceback", "frame #", 'File "', "c10::", "THPUtils", "torch.", "int_max_str_digits", "Exceeds the limit")
 RAW = "\x00raw{}\x00"  # a placeholder for a literal no json.dumps writes (a 5,000-digit integer)
 
 

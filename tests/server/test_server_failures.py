@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -185,6 +186,38 @@ def test_a_dead_engine_shuts_the_server_down_with_a_non_zero_status(tiny_llama, 
             assert_clean_error(post(client, dead.url, {"prompt": "w5 w6", "max_tokens": 2}), 503, "shutting down")
         dead.thread.join(30)
         assert status == [ENGINE_DEAD_STATUS] and not dead.loop.alive
+    finally:
+        dead.stop()
+
+
+def test_requests_queued_when_the_engine_dies_are_all_answered(tiny_llama, monkeypatch):
+    """Requests arrive while failing steps run: whether running, queued for the engine thread or new, each gets
+    its 500 or 503, none hangs, and the server still exits with ENGINE_DEAD_STATUS."""
+    status: list[int] = []
+    dead = start_server(tiny_llama, run=lambda server, loop: status.append(serve_until_dead(server, loop)))
+
+    def slow_and_broken(self, chunks, copies):
+        time.sleep(0.3)  # long enough for more requests to queue up behind the step
+        raise RuntimeError("injected: the device is gone")
+    monkeypatch.setattr(ModelRunner, "execute", slow_and_broken)
+
+    async def staggered():
+        async with httpx.AsyncClient(timeout=20) as client:
+            async def one(i: int):
+                await asyncio.sleep(0.1 * i)
+                try:
+                    r = await client.post(f"{dead.url}/v1/completions", headers=H,
+                                          json={"model": MODEL, "prompt": f"w{5 + i}", "max_tokens": 2})
+                except httpx.HTTPError as e:  # refused once the server is down: also an answer, not a hang
+                    return type(e).__name__
+                assert not any(x in r.text for x in INTERNALS)
+                return r.status_code
+            return await asyncio.gather(*[one(i) for i in range(12)])
+    try:
+        answers = asyncio.run(staggered())
+        assert 500 in answers and 503 in answers and set(answers) <= {500, 503, "ConnectError"}, answers
+        dead.thread.join(30)
+        assert status == [ENGINE_DEAD_STATUS]
     finally:
         dead.stop()
 
