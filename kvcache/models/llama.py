@@ -13,6 +13,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.attention.paged import Workspace, paged_attention
+from kvcache.models.weights import WeightSource
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
 
@@ -50,9 +51,20 @@ def _rope_tables(cfg: PretrainedConfig, max_positions: int) -> tuple[torch.Tenso
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE; cos/sin in x's dtype (computed in float32, cast once per step, as transformers does)."""
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 whatever x's dtype; the result is cast back before the weight multiplies it,
+    in transformers' order (LlamaRMSNorm), so that half-precision runs round as it does."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 class Dense(nn.Module):
@@ -67,11 +79,6 @@ class Dense(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copy a Hugging Face [out, in] weight (and bias) in."""
-        self.weight.copy_(weight.t())
-        if self.bias is not None:
-            self.bias.copy_(bias)
 
 
 class DecoderLayer(nn.Module):
@@ -99,13 +106,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x if residual is None else residual + x
-        h = F.rms_norm(residual, (residual.shape[-1],), self.input_norm, self.eps)
+        h = rms_norm(residual, self.input_norm, self.eps)
         T, hd = h.shape[0], self.head_dim
         q, k, v = self.qkv(h).split([self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], -1)
         q, k, v = q.view(T, -1, hd), k.view(T, -1, hd), v.view(T, -1, hd)
         if self.qk_norm:
-            q = F.rms_norm(q, (hd,), self.q_norm, self.eps)
-            k = F.rms_norm(k, (hd,), self.k_norm, self.eps)
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if batch.capture_rows is not None:  # eviction scores these queries after the forward
             batch.captured_q.append(q.index_select(0, batch.capture_rows))
@@ -113,7 +120,7 @@ class DecoderLayer(nn.Module):
         o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
         x = self.o_proj(o.view(T, -1))
         residual = residual + x
-        h = F.rms_norm(residual, (residual.shape[-1],), self.post_norm, self.eps)
+        h = rms_norm(residual, self.post_norm, self.eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return self.down(F.silu(gate).mul_(up)), residual
 
@@ -126,14 +133,14 @@ class LlamaModel(nn.Module):
         if cfg.model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {cfg.model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        # The head keeps its weight [hidden, vocab] (the layout its GEMM wants); tied embeddings are that same
+        # tensor, looked up by column, so they are stored once.
+        self.embed = None if self.tied else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         windows = layer_windows(cfg)
         self.windows = tuple(sorted(set(windows), key=lambda w: (w is not None, w or 0)))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, w) for i, w in enumerate(windows))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        # Tied or not, the head keeps its own [hidden, vocab] copy: the embedding's layout
-        # suits lookups, not the GEMM.
         self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
         self.cos = self.sin = torch.empty(0)
@@ -144,52 +151,90 @@ class LlamaModel(nn.Module):
         cos, sin = _rope_tables(self.config, self.max_positions)
         self.cos, self.sin = cos.to(device), sin.to(device)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter (tied embeddings counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is None:
+            return self.lm_head.weight.index_select(1, ids).t().contiguous()
+        return self.embed(ids)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, store: KVStore | QuantizedKVStore) -> torch.Tensor:
-        x = self.embed(batch.input_ids)
-        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
-        sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
+        x = self.embed_tokens(batch.input_ids)
+        cos = self.cos.index_select(0, batch.positions).unsqueeze(1).to(x.dtype)
+        sin = self.sin.index_select(0, batch.positions).unsqueeze(1).to(x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch, store, self.workspace)
         # Only rows that sample need the norm and the (large) LM head.
         h = (x + residual).index_select(0, batch.logits_indices)
-        h = F.rms_norm(h, (h.shape[-1],), self.norm, self.config.rms_norm_eps)
-        return self.lm_head(h)
+        return self.lm_head(rms_norm(h, self.norm, self.config.rms_norm_eps))
 
-    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises on missing tensors."""
-        def take(name: str) -> torch.Tensor:
-            if name not in tensors:
+    def load_weights(self, source: WeightSource) -> None:
+        """Copy the checkpoint's Hugging Face-named tensors into the parameters (allocated, in their dtype and on
+        their device), chunk by chunk, fusing q/k/v and gate/up as they land. Raises KeyError on a missing tensor
+        or one this model does not use."""
+        names = set(source.names())
+        used: set[str] = set()
+
+        def put(dst: torch.Tensor, name: str, transpose: bool = False) -> None:
+            """dst <- tensor `name` ([out, in] Hugging Face weights go into [in, out] columns when transposed)."""
+            if name not in names:
                 raise KeyError(f"checkpoint has no tensor {name!r}")
-            return tensors.pop(name)
+            want = tuple(dst.shape[::-1]) if transpose else tuple(dst.shape)
+            if source.shape(name) != want:
+                raise KeyError(f"tensor {name!r} has shape {list(source.shape(name))}, this model needs {list(want)}")
+            used.add(name)
+            for start, rows in source.chunks(name):
+                n = rows.shape[0]
+                (dst[:, start:start + n] if transpose else dst[start:start + n]).copy_(rows.t() if transpose else rows)
+
+        def put_fused(dense: Dense, parts: list[str], bias_parts: list[str] | None) -> None:
+            """Hugging Face's separate projections `parts`, side by side in the columns of one fused Dense."""
+            missing = [n for n in parts if n not in names]
+            if missing:
+                raise KeyError(f"checkpoint has no tensor {missing[0]!r}")
+            rows = [source.shape(n)[0] for n in parts]
+            if sum(rows) != dense.weight.shape[1]:
+                raise KeyError(f"{', '.join(parts)} have {' + '.join(map(str, rows))} rows, this model needs "
+                               f"{dense.weight.shape[1]} together")
+            at = 0
+            for i, (name, n) in enumerate(zip(parts, rows)):
+                put(dense.weight[:, at:at + n], name, transpose=True)
+                if bias_parts:
+                    put(dense.bias[at:at + n], bias_parts[i])
+                at += n
 
         with torch.no_grad():
-            embed = take("model.embed_tokens.weight")
-            self.embed.weight.copy_(embed)
-            self.norm.copy_(take("model.norm.weight"))
-            head = tensors.pop("lm_head.weight", None)
-            if head is None and not self.tied:
-                raise KeyError("checkpoint has no tensor 'lm_head.weight'")
-            self.lm_head.load(embed if self.tied else head)
+            if self.tied:
+                head = "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"
+                put(self.lm_head.weight, head, transpose=True)
+                used.update({"lm_head.weight", "model.embed_tokens.weight"} & names)
+            else:
+                put(self.embed.weight, "model.embed_tokens.weight")
+                put(self.lm_head.weight, "lm_head.weight", transpose=True)
+            put(self.norm, "model.norm.weight")
             for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                a = p + "self_attn."
-                m = p + "mlp."
-                qkv_bias = [take(a + f"{n}_proj.bias") for n in "qkv"] if layer.qkv.bias is not None else None
-                layer.qkv.load(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
-                               torch.cat(qkv_bias) if qkv_bias else None)
-                layer.o_proj.load(take(a + "o_proj.weight"),
-                                  take(a + "o_proj.bias") if layer.o_proj.bias is not None else None)
+                a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+                put_fused(layer.qkv, [a + f"{n}_proj.weight" for n in "qkv"],
+                          [a + f"{n}_proj.bias" for n in "qkv"] if layer.qkv.bias is not None else None)
+                put(layer.o_proj.weight, a + "o_proj.weight", transpose=True)
+                if layer.o_proj.bias is not None:
+                    put(layer.o_proj.bias, a + "o_proj.bias")
                 mlp_bias = layer.gate_up.bias is not None
-                layer.gate_up.load(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
-                                   torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")]) if mlp_bias else None)
-                layer.down.load(take(m + "down_proj.weight"), take(m + "down_proj.bias") if mlp_bias else None)
-                layer.input_norm.copy_(take(p + "input_layernorm.weight"))
-                layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+                put_fused(layer.gate_up, [m + "gate_proj.weight", m + "up_proj.weight"],
+                          [m + "gate_proj.bias", m + "up_proj.bias"] if mlp_bias else None)
+                put(layer.down.weight, m + "down_proj.weight", transpose=True)
+                if mlp_bias:
+                    put(layer.down.bias, m + "down_proj.bias")
+                put(layer.input_norm, f"model.layers.{i}.input_layernorm.weight")
+                put(layer.post_norm, f"model.layers.{i}.post_attention_layernorm.weight")
                 if layer.qk_norm:
-                    layer.q_norm.copy_(take(a + "q_norm.weight"))
-                    layer.k_norm.copy_(take(a + "k_norm.weight"))
-        leftover = [n for n in tensors if "rotary_emb" not in n]
+                    put(layer.q_norm, a + "q_norm.weight")
+                    put(layer.k_norm, a + "k_norm.weight")
+        leftover = sorted(n for n in names - used if "rotary_emb" not in n)
         if leftover:
             raise KeyError(f"checkpoint has {len(leftover)} tensors this model does not use, e.g. {leftover[:3]}")

@@ -6,11 +6,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from kvcache.models.gguf_file import read_gguf_tensors
 from kvcache.models.llama import SUPPORTED_ARCHITECTURES, LlamaModel
+from kvcache.models.weights import GGUFSource, SafetensorsSource, WeightSource
 from kvcache.plan.model_source import demo_model_path
 
 __all__ = ["LoadedModel", "ModelLoadError", "build_model", "demo_model_path", "read_checkpoint", "read_config"]
@@ -22,9 +21,12 @@ class ModelLoadError(ValueError):
 
 @dataclass
 class LoadedModel:
+    """A checkpoint opened for loading: its tensors are read only when a model is built from it (any number of
+    times: each build reads them again, converted to that model's dtype and device)."""
+
     config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
-    tensors: dict[str, torch.Tensor]
+    weights: WeightSource
     source: str
 
 
@@ -73,7 +75,7 @@ def read_config(path: str | None) -> PretrainedConfig:
 
 
 def read_checkpoint(path: str | None) -> LoadedModel:
-    """Config, tokenizer and fp32 tensors (Hugging Face names) of `path`; None means the demo model."""
+    """Config, tokenizer and (lazily read) tensors of `path`; None means the demo model."""
     path = _resolve(path)
     config = read_config(path)
     if os.path.isfile(path):
@@ -82,15 +84,10 @@ def read_checkpoint(path: str | None) -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
         except Exception as e:
             raise ModelLoadError(f"cannot build the tokenizer from the GGUF metadata of {path}: {e}") from e
-        tensors = read_gguf_tensors(path, config.model_type, config.num_attention_heads, config.num_key_value_heads)
-        return LoadedModel(config, tokenizer, tensors, path)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key).float()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(config, tokenizer, tensors, path)
+        weights = GGUFSource(path, config.model_type, config.num_attention_heads, config.num_key_value_heads)
+        return LoadedModel(config, tokenizer, weights, path)
+    weights = SafetensorsSource(_safetensors_files(path))
+    return LoadedModel(config, AutoTokenizer.from_pretrained(path), weights, path)
 
 
 def _check_arch(config: PretrainedConfig, path: str) -> None:
@@ -99,13 +96,13 @@ def _check_arch(config: PretrainedConfig, path: str) -> None:
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def build_model(loaded: LoadedModel, max_positions: int, device: str = "cpu",
+def build_model(loaded: LoadedModel, max_positions: int, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> LlamaModel:
-    """Instantiate the model and load the checkpoint's weights into it."""
+    """The model in `dtype` on `device`, its weights copied in from the checkpoint chunk by chunk: the memory it
+    takes on the way is its own size plus one chunk (weights.CHUNK_BYTES)."""
     with torch.device("meta"):  # no random init: every weight is overwritten
         model = LlamaModel(loaded.config, max_positions)
-    model = model.to_empty(device=device)
-    model.load_hf_weights(dict(loaded.tensors))
-    model = model.to(dtype).eval()
+    model = model.to(dtype).to_empty(device=device).requires_grad_(False)  # inference only: no autograd
+    model.load_weights(loaded.weights)
     model.init_rope(device)
-    return model
+    return model.eval()

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 from tiny_models import TINY_ARCHS, hf_model
 from kvcache.attention.metadata import SeqChunk, build_batch
-from kvcache.models.gguf_file import read_gguf_tensors
 from kvcache.models.llama import head_dim_of
 from kvcache.models.loader import LoadedModel, ModelLoadError, build_model, read_checkpoint, read_config
+from kvcache.models.weights import GGUFSource, read_all
 from kvcache.store.kv_store import KVStore
 
 ATOL = 1e-4
@@ -211,7 +211,7 @@ def test_gguf_f32_round_trip_is_exact(tiny_model_dirs, tmp_path, arch):
     cfg = json.load(open(os.path.join(d, "config.json")))
     path = str(tmp_path / "tiny-f32.gguf")
     hf, _ = _write_llama_gguf(path, d, gguf.GGMLQuantizationType.F32)
-    got = read_gguf_tensors(path, "llama", cfg["num_attention_heads"], cfg["num_key_value_heads"])
+    got = read_all(GGUFSource(path, "llama", cfg["num_attention_heads"], cfg["num_key_value_heads"]))
     assert set(got) == set(hf)
     for name, t in hf.items():
         assert got[name].dtype == torch.float32, name
@@ -227,8 +227,8 @@ def test_gguf_f32_model_matches_hf(tiny_model_dirs, tmp_path, models):
     path = str(tmp_path / "tiny.gguf")
     _write_llama_gguf(path, d, gguf.GGMLQuantizationType.F32)
     cfg = models["llama"][0].config
-    tensors = read_gguf_tensors(path, "llama", cfg.num_attention_heads, cfg.num_key_value_heads)
-    model = build_model(LoadedModel(cfg, None, tensors, path), max_positions=64)
+    model = build_model(LoadedModel(cfg, None, GGUFSource(path, "llama", cfg.num_attention_heads,
+                                                          cfg.num_key_value_heads), path), max_positions=64)
     ids = _prompt(20, seed=5)
     r = Runner(model)
     got = r.step([SeqChunk(ids, 0, r.table(len(ids)))])
@@ -245,7 +245,7 @@ def test_gguf_quantized_round_trip(tiny_model_dirs, tmp_path, qname):
     path = str(tmp_path / f"tiny-{qname}.gguf")
     hf, expected = _write_llama_gguf(path, d, qtype)
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    got = read_gguf_tensors(path, "llama", n_head, n_kv)
+    got = read_all(GGUFSource(path, "llama", n_head, n_kv))
     assert set(got) == set(hf)
     for name, t in hf.items():
         g = got[name]
@@ -291,7 +291,7 @@ def test_gguf_llama_qk_biases_are_unpermuted(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    got = read_gguf_tensors(path, "llama", n_head, n_kv)
+    got = read_all(GGUFSource(path, "llama", n_head, n_kv))
     assert set(got) == set(hf)
     for name, t in hf.items():
         assert torch.equal(got[name], t), name
