@@ -18,9 +18,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB, 500MB, or 25%% of available memory (CPU default: 2GiB, "
-                   "at most half of available memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB, 500MB, or 25%% (of the GPU's "
+                   "memory on CUDA, of available RAM on CPU). Default: on CUDA, what --gpu-memory-utilization leaves after "
+                   "the weights and a profiled forward; on CPU 2GiB, at most half of the RAM available after the weights")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: share of the device's memory for weights, activations and the KV cache (default 0.9)")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV of equal prompt prefixes between requests (default: on)")
@@ -28,7 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="hash: vLLM's hash-chained blocks; radix: SGLang's radix tree")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
                    help="fcfs, or lpm: longest cached prefix first (FCFS above 128 waiting)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", help="compute and weight dtype: auto (float32 on CPU, bfloat16 on CUDA), "
+                   "float32, bfloat16, float16 (aliases fp32, bf16, fp16, half)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache storage: auto (the compute dtype), float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, "
                         "int8, int4, int2 (fp8/int8 with a scale per token and head; int4/int2 KIVI)")
@@ -95,12 +98,16 @@ def print_kv_summary(engine, out=None) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvcache.engine.outputs import RequestFailedError
     llm = _make_llm(args)
     params = sampling_params(args)
-    if args.chat:
-        outs = llm.chat([{"role": "user", "content": p} for p in args.prompt][:1], params, use_tqdm=False)
-    else:
-        outs = llm.generate(list(args.prompt), params, use_tqdm=False)
+    try:
+        if args.chat:
+            outs = llm.chat([{"role": "user", "content": p} for p in args.prompt][:1], params, use_tqdm=False)
+        else:
+            outs = llm.generate(list(args.prompt), params, use_tqdm=False)
+    except RequestFailedError as e:
+        outs = e.outputs
     for out in outs:
         if len(outs) > 1:
             print(f"=== prompt: {out.prompt!r}")

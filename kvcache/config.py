@@ -13,19 +13,31 @@ from kvcache.plan.kv_bytes import KV_DTYPES, default_block_size, kv_dtype
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
 
-CPU_DEFAULT_KV_BYTES = 2 * 2**30  # half of vLLM CPU backend's 4 GiB: zeroing 4 GiB takes ~6 s here
 
 
-def parse_bytes(value: str | int | float, allow_zero: bool = False) -> int:
-    """'4GiB', '512MiB', '2e9', 1073741824 -> bytes; '25%' -> that share of the memory available now."""
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            pct = float(value.strip()[:-1])
-        except ValueError:
-            pct = -1.0
-        if not 0 < pct <= 100:
-            raise ValueError(f"a memory share must be in (0%, 100%], got {value!r}")
-        return int(psutil.virtual_memory().available * pct / 100)
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def memory_share(value: object) -> float | None:
+    """'25%' -> 0.25; None if `value` is not a percentage; ValueError if it is one outside (0%, 100%]."""
+    if not (isinstance(value, str) and value.strip().endswith("%")):
+        return None
+    try:
+        pct = float(value.strip()[:-1])
+    except ValueError:
+        pct = -1.0
+    if not 0 < pct <= 100:
+        raise ValueError(f"a memory share must be in (0%, 100%], got {value!r}")
+    return pct / 100
+
+
+def parse_bytes(value: str | int | float, allow_zero: bool = False, of: int | None = None) -> int:
+    """'4GiB', '512MiB', '2e9', 1073741824 -> bytes; '25%' -> that share of `of` bytes (default: the host
+    memory available now)."""
+    share = memory_share(value)
+    if share is not None:
+        return int((psutil.virtual_memory().available if of is None else of) * share)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         n = int(value)
     else:
@@ -47,13 +59,15 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # sequences in one step at most
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output tokens; None = the model's context length
-    kv_cache_memory: int | str | None = None  # KV cache bytes ('2GiB', or '25%' of available RAM); None = default
+    # KV cache bytes ('2GiB'), or a share ('25%') of the device's memory on CUDA, of available RAM on CPU;
+    # None = sized from what the device has left after the weights (see engine/sizing.py)
+    kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + KV cache
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True  # share computed full blocks between requests with equal prefixes
     prefix_caching_algo: str = "hash"  # hash: vLLM's hash-chained blocks; radix: SGLang's radix tree
     scheduling_policy: str = "fcfs"  # fcfs, or lpm: longest cached prefix first
-    dtype: str = "auto"  # compute dtype: auto = float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # compute and weight dtype: auto = float32 on CPU, bfloat16 on CUDA (aliases fp32, bf16, fp16, half)
     kv_cache_dtype: str = "auto"  # KV storage: auto (= compute dtype), float32, float16, bfloat16, fp8_e4m3,
     # fp8_e5m2, int8, int4, int2 (aliases fp32, fp16, bf16, fp8)
     device: str = "auto"
@@ -82,12 +96,14 @@ class EngineConfig:
                              f"inside one block: block_size must be a multiple of {group}, got {self.block_size}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
-        if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.kv_cache_memory is not None and memory_share(self.kv_cache_memory) is None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)  # a share stays a string until the device is known
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.dtype not in ("auto", *COMPUTE_DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(COMPUTE_DTYPES)} (aliases "
+                             f"{', '.join(DTYPE_ALIASES)}); got {self.dtype!r}")
         if self.prefix_caching_algo not in ("hash", "radix"):
             raise ValueError(f"prefix_caching_algo must be hash or radix; got {self.prefix_caching_algo!r}")
         if self.scheduling_policy not in ("fcfs", "lpm"):
@@ -101,7 +117,3 @@ class EngineConfig:
     def eviction(self) -> EvictionSpec:
         """The eviction every request gets unless it asks for its own."""
         return EvictionSpec(self.kv_eviction, self.kv_budget)
-
-    def default_kv_budget(self) -> int:
-        """KV bytes to allocate when kv_cache_memory is not given (CPU: 2 GiB, at most half of free RAM)."""
-        return min(CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 2)

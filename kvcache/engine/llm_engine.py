@@ -25,13 +25,14 @@ from kvcache.engine.sampler import SamplingRow, sample
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.sequence import Sequence
+from kvcache.engine.sizing import kv_capacity, resolve_device_dtype, slow_half_precision
 from kvcache.engine.stop_checker import StopChecker
 from kvcache.memory.block_pool import OutOfBlocksError
 from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
 from kvcache.messages import describe
 from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
 from kvcache.models.llama import layer_windows
-from kvcache.plan.kv_bytes import KV_DTYPES, CacheCapacity, cache_capacity, kv_formula, residual_bytes_per_seq
+from kvcache.plan.kv_bytes import KV_DTYPES, check_kv_format, kv_formula, residual_bytes_per_seq
 from kvcache.plan.shape import shape_from_config
 from kvcache.store.quantized_store import make_store
 
@@ -58,18 +59,6 @@ class EngineStats:
     peak_used_blocks: int = 0
 
 
-def _resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
-    dtype = config.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    return torch.device(device), getattr(torch, dtype)
-
-
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -80,7 +69,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.device, self.dtype = _resolve_device_dtype(config)
+        self.device, self.dtype = resolve_device_dtype(config)
+        if slow := slow_half_precision(self.device, self.dtype):
+            log.warning(slow)
         loaded = loaded or read_checkpoint(config.model)
         self.tokenizer = loaded.tokenizer
         hf = loaded.config
@@ -92,15 +83,14 @@ class LLMEngine:
         self.kv_dtype = config.kv_cache_dtype
         if self.kv_dtype == "auto":
             self.kv_dtype = str(self.dtype).removeprefix("torch.")
-        budget = config.kv_cache_memory or self._default_budget()
-        # Sized (and the format checked against the model) before weights or KV memory are allocated.
-        self.capacity: CacheCapacity = cache_capacity(self.shape, self.kv_dtype, budget, config.block_size,
-                                                      self.max_model_len)
+        check_kv_format(self.shape, self.kv_dtype, config.block_size)  # before anything is loaded
         self._sliding = any(w is not None for w in layer_windows(hf))
         self._kivi_group = KV_DTYPES[self.kv_dtype].group if KV_DTYPES[self.kv_dtype].scales == "kivi" else 0
         if config.eviction.enabled:
             self._check_eviction(config.eviction)
         self.model = build_model(loaded, self.max_model_len, self.device, self.dtype)
+        self.budget, self.capacity = kv_capacity(config, self.device, self.model, self.shape, self.kv_dtype,
+                                                 self.max_model_len)
         # One more physical block than the budget buys: block 0, the null block that pads tables.
         self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size,
                                  config.prefix_caching_algo if config.enable_prefix_caching else None,
@@ -123,6 +113,8 @@ class LLMEngine:
         self._consecutive_failures = 0  # steps in a row that failed with no request to blame
         self.stop = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         c = self.capacity
+        log.info("weights: %.2f GiB of %s on %s; KV budget %s", self.model.weight_bytes / 2**30,
+                 str(self.dtype).removeprefix("torch."), self.device, self.budget)
         log.info("KV cache (%s): %s blocks x %d tokens = %s tokens, %.2f GiB (%s)%s; maximum concurrency for %s "
                  "tokens per request: %.2fx", self.kv_dtype, f"{c.num_blocks:,}", c.block_size, f"{c.num_tokens:,}",
                  c.total_bytes / 2**30, kv_formula(self.shape, self.kv_dtype),
@@ -141,12 +133,6 @@ class LLMEngine:
             raise ValueError(f"kv_eviction {spec.policy} cannot be combined with kv_cache_dtype {self.kv_dtype}: it "
                              f"quantizes keys in {self._kivi_group}-token groups, so tokens cannot be dropped one "
                              "by one (use int8 or fp8)")
-
-    def _default_budget(self) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return int(total * self.config.gpu_memory_utilization) - (total - free)
-        return self.config.default_kv_budget()
 
     def _eos_ids(self, hf) -> set[int]:
         ids: set[int] = set()
@@ -545,6 +531,8 @@ class LLMEngine:
         c, kv = self.capacity, self.kv
         free = kv.num_free_blocks
         return {
+            "device": str(self.device), "compute_dtype": str(self.dtype).removeprefix("torch."),
+            "weight_bytes": self.model.weight_bytes, "kv_cache_budget": str(self.budget),
             "block_size": c.block_size, "num_blocks": c.num_blocks, "num_tokens": c.num_tokens,
             "bytes_per_token": c.bytes_per_token, "total_bytes": c.total_bytes, "dtype": self.kv_dtype,
             "seq_blocks": c.seq_blocks, "residual_bytes_per_seq": residual_bytes_per_seq(self.shape, self.kv_dtype),

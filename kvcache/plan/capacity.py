@@ -31,6 +31,40 @@ def weight_dtype(name: str, shape: ModelShape) -> str:
     return name
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceBudget:
+    """The KV budget of one device, vLLM's way, with every term (bytes):
+    budget = utilization x total - weights - activations - non_torch."""
+
+    total: int
+    utilization: float
+    weights: int
+    activations: int  # peak of a forward at the step limits (measured by a profile run, or estimated)
+    non_torch: int  # held outside the framework's allocator: the CUDA context, other processes, NCCL
+    budget: int
+
+    def terms(self) -> str:
+        """'0.9 x 79.21 GiB - 14.96 GiB weights - ...': the right-hand side of the budget, in GiB."""
+        def gib(b: int) -> str:
+            return f"{b / 2**30:,.2f} GiB"
+        return (f"{self.utilization:g} x {gib(self.total)} - {gib(self.weights)} weights - {gib(self.activations)} "
+                f"activations - {gib(self.non_torch)} outside torch")
+
+
+def device_budget(total: int, utilization: float, weights: int, activations: int, non_torch: int = 0) -> DeviceBudget:
+    """The KV budget a device leaves (see DeviceBudget); ValueError naming every term and what to change if
+    nothing is left. The engine calls it with measured figures, `kvcache plan` with estimates."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    budget = int(total * utilization) - weights - activations - non_torch
+    if budget <= 0:
+        raise ValueError(f"nothing is left for the KV cache: {utilization:g} x {total:,} bytes of device memory minus "
+                         f"{weights:,} of weights, {activations:,} of activations and {non_torch:,} held outside "
+                         f"torch is {budget:,}; raise --gpu-memory-utilization, lower --max-num-batched-tokens or "
+                         "--max-num-seqs, use a smaller dtype, or free the device")
+    return DeviceBudget(total, utilization, weights, activations, non_torch, budget)
+
+
 def activation_reserve(shape: ModelShape, dtype: str, tensor_parallel_size: int,
                        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> int:
@@ -104,12 +138,7 @@ def plan_device(shape: ModelShape, kv_dtype: str, *, memory_per_gpu: int | None 
         weight_bytes = int(shape.num_parameters * WEIGHT_BYTES[wdtype] / num_gpus)
         act = activation_bytes if activation_bytes is not None else activation_reserve(
             shape, wdtype, tp, max_num_batched_tokens, max_num_seqs)
-        usable = int(memory_per_gpu * gpu_memory_utilization)
-        budget = usable - weight_bytes - act
-        if budget <= 0:
-            raise ValueError(f"nothing left for the KV cache: {usable:,} usable bytes per GPU ({memory_per_gpu:,} x "
-                             f"{gpu_memory_utilization}) minus {weight_bytes:,} of {wdtype} weights and {act:,} of "
-                             f"activations is {budget:,}; add GPUs or quantize the weights")
+        budget = device_budget(memory_per_gpu, gpu_memory_utilization, weight_bytes, act).budget
     cap = cache_capacity(stage, kv_dtype, budget, block_size, seq_len, tp)
     longest = max(0, cap.num_blocks // batch - cap.seq_blocks) * block_size
     return DevicePlan(memory_per_gpu, num_gpus, tp, pp, gpu_memory_utilization, wdtype, weight_bytes, act, budget,

@@ -235,6 +235,16 @@ def sequence_blocks(shape: ModelShape, dtype: str, block_size: int, tensor_paral
     return -(-extra // block_bytes) if block_bytes else 0
 
 
+def check_kv_format(shape: ModelShape, dtype: str, block_size: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes per token of `dtype` on `shape`; ValueError if the format cannot store this model in blocks of
+    `block_size` (a KIVI group straddling blocks, a head_dim the codec cannot pack)."""
+    group = kv_dtype(dtype).group
+    if group and block_size % group:
+        raise ValueError(f"{kv_dtype(dtype).name} quantizes keys in groups of {group} tokens inside one block: "
+                         f"block_size must be a multiple of {group}, got {block_size}")
+    return kv_bytes_per_token(shape, dtype, tensor_parallel_size)
+
+
 def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size: int, max_model_len: int,
                    tensor_parallel_size: int = 1, state_dtype: str = "bfloat16") -> CacheCapacity:
     """Blocks, tokens and concurrency a budget of `budget_bytes` buys. Raises if not even one block fits.
@@ -243,11 +253,7 @@ def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size:
     per-sequence buffers, drawn from the same pool.
     """
     tp = tensor_parallel_size
-    group = kv_dtype(dtype).group
-    if group and block_size % group:
-        raise ValueError(f"{kv_dtype(dtype).name} quantizes keys in groups of {group} tokens inside one block: "
-                         f"block_size must be a multiple of {group}, got {block_size}")
-    per_token = kv_bytes_per_token(shape, dtype, tp)
+    per_token = check_kv_format(shape, dtype, block_size, tp)
     block_bytes = per_token * block_size
     num_blocks = budget_bytes // block_bytes if block_bytes else 0
     if num_blocks < 1:

@@ -1,0 +1,157 @@
+"""Where the engine runs and how big its KV cache is: device and dtype, and the KV budget from what the device
+has left once the weights are loaded, stated term by term.
+
+- `--kv-cache-memory` given: that many bytes, or that share of the device's memory (CUDA) or of the RAM
+  available (CPU).
+- CUDA, not given (vLLM's sizing): gpu_memory_utilization x total memory - weights - the peak of a profile
+  forward at the step limits - memory held outside torch (plan/capacity.py's device_budget, which `kvcache
+  plan` uses too).
+- CPU, not given: CPU_DEFAULT_KV_BYTES, at most half of the RAM available after the weights.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from kvcache.attention.metadata import SeqChunk, build_batch
+from kvcache.config import EngineConfig, parse_bytes
+from kvcache.engine.sampler import SamplingRow, sample
+from kvcache.engine.sampling_params import SamplingParams
+from kvcache.models.llama import LlamaModel
+from kvcache.plan.capacity import device_budget
+from kvcache.plan.kv_bytes import CacheCapacity, cache_capacity
+from kvcache.plan.shape import ModelShape
+from kvcache.store.kv_store import KVStore
+
+log = logging.getLogger("kvcache")
+CPU_DEFAULT_KV_BYTES = 2 * 2**30  # half of vLLM CPU backend's 4 GiB: zeroing 4 GiB takes ~6 s here
+GiB = 2**30
+
+
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and compute dtype `auto` stands for: the KVCACHE_DEVICE environment variable's device if set
+    (cpu or cuda), else CUDA where torch sees a GPU, else the CPU; bfloat16 on CUDA, float32 on the CPU (the
+    dtype CPUs without native half-precision units run fastest)."""
+    device = config.device
+    if device == "auto":
+        device = os.environ.get("KVCACHE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"KVCACHE_DEVICE must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return torch.device(device), getattr(torch, dtype)
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def slow_half_precision(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `dtype` will be slow on this device (a CPU without native bf16/fp16 units), or None."""
+    if device.type != "cpu" or dtype == torch.float32:
+        return None
+    native = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}[dtype]
+    flags = _cpu_flags()
+    if not flags or any(f in flags for f in native):
+        return None
+    return (f"{str(dtype).removeprefix('torch.')} compute on a CPU without {' or '.join(native)}: matrix products run "
+            "many times slower than in float32 (about 1 GFLOP/s); --dtype float32 is the fast choice here")
+
+
+@dataclass(frozen=True, slots=True)
+class KVBudget:
+    """The KV cache's bytes and how they were arrived at."""
+
+    bytes: int
+    how: str  # what follows the figure in the start-up log: ': --kv-cache-memory' or ' = 0.9 x ...'
+    derived: bool  # computed from the device, not given: then it must hold at least one max_model_len request
+
+    def __str__(self) -> str:
+        return f"{self.bytes / GiB:,.2f} GiB{self.how}"
+
+
+def kv_budget(config: EngineConfig, device: torch.device, model: LlamaModel) -> KVBudget:
+    """The KV budget for `model`, already loaded on `device` (see the module docstring)."""
+    given = config.kv_cache_memory
+    weights = model.weight_bytes
+    cuda = device.type == "cuda"
+    if isinstance(given, str):  # a share, of the device's memory or of the RAM available now
+        of = torch.cuda.mem_get_info(device)[1] if cuda else psutil.virtual_memory().available
+        where = "the GPU's memory" if cuda else "the RAM available after the weights"
+        return KVBudget(parse_bytes(given, of=of), f": --kv-cache-memory {given} of {where} ({of / GiB:,.2f} GiB)",
+                        False)
+    if given is not None:
+        return KVBudget(given, ": --kv-cache-memory", False)
+    if cuda:
+        activations = profile_forward(model, config, device)
+        free, total = torch.cuda.mem_get_info(device)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+        b = device_budget(total, config.gpu_memory_utilization, weights, activations, non_torch)
+        return KVBudget(b.budget, f" = {b.terms()} (activations profiled at {config.max_num_batched_tokens:,} tokens "
+                                  f"and {config.max_num_seqs} sampled rows)", True)
+    available = psutil.virtual_memory().available
+    budget = min(CPU_DEFAULT_KV_BYTES, available // 2)
+    return KVBudget(budget, f": the CPU default of {CPU_DEFAULT_KV_BYTES / GiB:g} GiB, at most half of the "
+                            f"{available / GiB:,.2f} GiB of RAM available after {weights / GiB:,.2f} GiB of weights", True)
+
+
+def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, shape: ModelShape, kv_dtype: str,
+                max_model_len: int) -> tuple[KVBudget, CacheCapacity]:
+    """The budget and what it buys in `kv_dtype`; ValueError if a budget computed from the device cannot hold
+    one request of max_model_len tokens (a given one is the user's choice: such requests are refused one by one)."""
+    budget = kv_budget(config, device, model)
+    capacity = cache_capacity(shape, kv_dtype, budget.bytes, config.block_size, max_model_len)
+    one_request = -(-max_model_len // config.block_size) + capacity.seq_blocks
+    if budget.derived and capacity.num_blocks < one_request:
+        raise ValueError(f"the KV cache this device leaves ({budget}) holds {capacity.num_blocks:,} blocks, fewer than "
+                         f"the {one_request:,} of one request of max_model_len {max_model_len:,}: lower "
+                         "--max-model-len, or give --kv-cache-memory"
+                         + (" or raise --gpu-memory-utilization" if device.type == "cuda" else ""))
+    return budget, capacity
+
+
+def profile_forward(model: LlamaModel, config: EngineConfig, device: torch.device) -> int | None:
+    """Peak bytes (CUDA allocator) one step at the limits adds: max_num_batched_tokens tokens of prefill (prompts
+    of max_model_len tokens at most) whose last max_num_seqs rows go through the LM head and the sampler (a top-p
+    draw, its widest path). Elsewhere the step runs the same way but no allocator keeps a peak: None."""
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    block = config.block_size
+    cuda = device.type == "cuda"
+    # Two blocks: the null block and one that every token's slot wraps into (their K/V are never read back).
+    store = KVStore(cfg.num_hidden_layers, 2, block, cfg.num_key_value_heads, model.layers[0].head_dim, dtype, device)
+    tokens = config.max_num_batched_tokens
+    rows = min(config.max_num_seqs, tokens)
+    longest = min(tokens, model.max_positions)  # prompts of at most max_model_len tokens share the step
+    chunks = [SeqChunk([0] * min(longest, tokens - s), 0, [1] * -(-longest // block)) for s in range(0, tokens, longest)]
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    batch = build_batch(chunks, block, model.windows, device)
+    batch.logits_indices = torch.arange(tokens - rows, tokens, device=device)
+    logits = model(batch, store).float()
+    sample(logits, [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), None, [], []) for _ in range(rows)])
+    if not cuda:
+        return None
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del store, batch, logits
+    torch.cuda.empty_cache()
+    return peak
