@@ -9,6 +9,7 @@ _EXPORTS = {
     "LLMEngine": "kvcache.engine.llm_engine",
     "RequestOutput": "kvcache.engine.llm_engine",
     "CompletionOutput": "kvcache.engine.llm_engine",
+    "RequestFailedError": "kvcache.engine.outputs",
     "SamplingParams": "kvcache.engine.sampling_params",
 }
 

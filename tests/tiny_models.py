@@ -63,10 +63,28 @@ def hf_model(path: str):
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy continuation of one unpadded prompt: exactly `n` tokens, EOS disabled."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=n,
                              max_new_tokens=n, eos_token_id=None, pad_token_id=0)
     tokens = out[0, len(prompt):].tolist()
     assert len(tokens) == n
     return tokens
+
+
+OVERFLOW_TOKEN = 7
+
+
+def make_fp16_overflow_model(src: str, directory: str) -> str:
+    """A copy of the tiny model at `src` whose float16 activations overflow on OVERFLOW_TOKEN only: its embedding
+    is float16's largest value and the first MLP's output is scaled up, so the residual sum passes 65,504 and
+    turns inf, then NaN. In float32 nothing overflows; other tokens are unaffected."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, directory)
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    tensors["model.embed_tokens.weight"][OVERFLOW_TOKEN] = torch.finfo(torch.float16).max
+    tensors["model.layers.0.mlp.down_proj.weight"] *= 10_000
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    return directory

@@ -1,4 +1,6 @@
-"""What the machine could do at best: measured fp32 GEMM rate and the workload's FLOPs."""
+"""What the device could do at best, measured on it in the benchmark's dtype: its GEMM rate (for the compute a
+workload needs) and its memory bandwidth (for the bytes it must read: the weights once per decode step and
+every sequence's KV at every step). The slower of the two bounds is the roofline."""
 from __future__ import annotations
 
 import time
@@ -8,22 +10,45 @@ import torch
 from kvcache.bench.workload import Workload
 
 
+def _best_rate(op, work: float, seconds: float, device: torch.device) -> float:
+    """Best `work` per second of `op()` over `seconds` of repeats (4 per timing)."""
+    op()
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(4):
+            op()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, 4 * work / (time.perf_counter() - t))
+    return best
+
+
 def measure_gemm_gflops(m: int = 512, k: int = 1536, n: int = 1536, seconds: float = 1.0,
-                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
-    """Best fp32 matmul rate (GFLOP/s) over `seconds` of repeated [m,k] x [k,n] products."""
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> float:
+    """Best matmul rate (GFLOP/s) in `dtype` on `device` over `seconds` of repeated [m,k] x [k,n] products."""
+    device = torch.device(device)
     a = torch.randn(m, k, dtype=dtype, device=device)
     b = torch.randn(k, n, dtype=dtype, device=device)
     out = torch.empty(m, n, dtype=dtype, device=device)
-    torch.matmul(a, b, out=out)
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        for _ in range(4):
-            torch.matmul(a, b, out=out)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        best = max(best, 4 * 2 * m * k * n / (time.perf_counter() - t))
-    return best / 1e9
+    return _best_rate(lambda: torch.matmul(a, b, out=out), 2 * m * k * n, seconds, device) / 1e9
+
+
+def measure_bandwidth_gbs(nbytes: int = 256 * 2**20, seconds: float = 0.5, device: str | torch.device = "cpu") -> float:
+    """Best memory bandwidth (GB/s: bytes read plus bytes written) of copying `nbytes` on `device`."""
+    device = torch.device(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return _best_rate(lambda: dst.copy_(src), 2 * nbytes, seconds, device) / 1e9
+
+
+def workload_bytes(work: Workload, weight_bytes: int, kv_bytes_per_token: int) -> float:
+    """Bytes the workload must read at least: the weights once per decode step (the longest output takes that
+    many steps, however well the others batch with it) and each sequence's KV cache at each of its steps."""
+    kv = sum(out * len(prompt) + out * (out - 1) / 2 for prompt, out in zip(work.prompts, work.output_lens))
+    return max(work.output_lens) * weight_bytes + kv * kv_bytes_per_token
 
 
 def workload_flops(cfg, work: Workload) -> float:

@@ -1,9 +1,11 @@
 """`kvcache bench throughput`: kvcache against Hugging Face transformers on one seeded workload.
 
-Both engines run greedy, ignore EOS and produce exactly the requested output lengths;
-the transformers baseline uses `generate` on static, left-padded batches (what a
-server without continuous batching does). Each engine's peak resident memory is
-sampled while it runs; the machine's fp32 GEMM rate gives a roofline for both.
+Both engines run on the same device in the same dtype (kvcache's --device/--dtype), greedy, ignore EOS and
+produce exactly the requested output lengths; the transformers baseline uses `generate` on static,
+left-padded batches (what a server without continuous batching does). Peak memory is the device's
+(CUDA: the allocator's peak) or the process's resident memory (CPU), sampled while each engine runs. The
+roofline is measured on that device in that dtype: the workload's FLOPs at the GEMM rate, or the bytes it
+must read at the memory bandwidth, whichever takes longer (the JSON says which).
 """
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from kvcache.bench.workload import Workload, parse_range, random_workload
 from kvcache.config import EngineConfig
 
 
-class PeakRSS:
-    """Samples this process's resident memory every 20 ms while active."""
+class PeakMemory:
+    """Peak memory while active: the CUDA allocator's peak on a CUDA device, else this process's resident memory
+    sampled every 20 ms."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
         self.peak = 0
         self._stop = threading.Event()
         self._proc = psutil.Process()
@@ -33,13 +37,21 @@ class PeakRSS:
         while not self._stop.wait(0.02):
             self.peak = max(self.peak, self._proc.memory_info().rss)
 
-    def __enter__(self) -> PeakRSS:
+    def __enter__(self) -> PeakMemory:
+        if self.device.startswith("cuda"):
+            import torch
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
         self.peak = self._proc.memory_info().rss
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.device.startswith("cuda"):
+            import torch
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+            return
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self._proc.memory_info().rss)
@@ -77,13 +89,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def _result(work: Workload, elapsed: float, peak: int) -> dict:
     return {"elapsed_s": elapsed, "output_tokens_per_s": work.output_tokens / elapsed,
             "total_tokens_per_s": (work.input_tokens + work.output_tokens) / elapsed,
-            "requests_per_s": len(work.prompts) / elapsed, "peak_rss_bytes": peak}
+            "requests_per_s": len(work.prompts) / elapsed, "peak_memory_bytes": peak}
 
 
-def run_kvcache(args: argparse.Namespace, work: Workload) -> dict:
+def run_kvcache(args: argparse.Namespace, work: Workload, device: str) -> dict:
     from kvcache.engine.llm import LLM
     from kvcache.engine.sampling_params import SamplingParams
-    with PeakRSS() as rss:
+    with PeakMemory(device) as rss:
         llm = LLM(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
         params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in work.output_lens]
         t = time.perf_counter()
@@ -97,37 +109,42 @@ def run_kvcache(args: argparse.Namespace, work: Workload) -> dict:
     res = _result(work, elapsed, rss.peak)
     res["num_preemptions"] = info["num_preemptions"]
     res["kv_cache_bytes"] = info["total_bytes"]
+    res["weight_bytes"] = info["weight_bytes"]
+    res["kv_bytes_per_token"] = info["bytes_per_token"]
     del llm, outs
     gc.collect()
     return res
 
 
-def run_hf(model_path: str | None, work: Workload, batch_size: int) -> dict:
+def run_hf(model_path: str | None, work: Workload, batch_size: int, device: str, dtype) -> dict:
+    """transformers on `device` in `dtype` (kvcache's), static batches of `batch_size`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from kvcache.models.loader import demo_model_path
     path = model_path or demo_model_path()
-    with PeakRSS() as rss:
+    with PeakMemory(device) as rss:
         if os.path.isfile(path):
             d, name = os.path.split(os.path.abspath(path))
-            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        model.eval()
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model.to(device).eval()
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         t = time.perf_counter()
         for i in range(0, len(work.prompts), batch_size):
             prompts = work.prompts[i:i + batch_size]
             new = max(work.output_lens[i:i + batch_size])
             width = max(map(len, prompts))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
             with torch.inference_mode():
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                      do_sample=False, pad_token_id=pad)
             if out.shape[1] != width + new:
                 raise RuntimeError("transformers stopped early")
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t
     del model
     gc.collect()
@@ -142,10 +159,13 @@ def run(args: argparse.Namespace) -> int:
         return run_prefix_sharing(args)
     import torch
 
-    from kvcache.bench.roofline import measure_gemm_gflops, workload_flops
-    torch.manual_seed(args.seed)
+    from kvcache.bench.roofline import measure_bandwidth_gbs, measure_gemm_gflops, workload_bytes, workload_flops
+    from kvcache.engine.sizing import resolve_device_dtype
     from kvcache.models.loader import read_config
-    gflops = measure_gemm_gflops()
+    torch.manual_seed(args.seed)
+    config = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    device, dtype = resolve_device_dtype(config)
+    gflops = measure_gemm_gflops(dtype=dtype, device=device)
     cfg = read_config(args.model)
     special = {t for t in (cfg.bos_token_id, cfg.eos_token_id, getattr(cfg, "pad_token_id", None)) if isinstance(t, int)}
     args.output_len = args.output_len or "32:256"
@@ -154,21 +174,31 @@ def run(args: argparse.Namespace) -> int:
     results: dict = {
         "workload": {"num_prompts": len(work.prompts), "input_len": args.input_len, "output_len": args.output_len,
                      "seed": args.seed, "input_tokens": work.input_tokens, "output_tokens": work.output_tokens},
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "machine": {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+                    else None, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "torch": torch.__version__},
+        "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
     }
-    results["kvcache"] = run_kvcache(args, work)
+    results["kvcache"] = run_kvcache(args, work, str(device))
     if args.baseline == "hf":
         sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
-        by_size = {bs: run_hf(args.model, work, bs) for bs in sizes}
+        by_size = {bs: run_hf(args.model, work, bs, str(device), dtype) for bs in sizes}
         best = max(by_size.values(), key=lambda r: r["output_tokens_per_s"])
         results["hf"] = dict(best, by_batch_size={str(k): v for k, v in by_size.items()})
         results["speedup"] = results["kvcache"]["output_tokens_per_s"] / best["output_tokens_per_s"]
-    # The GEMM rate is measured before and after the runs and the better one kept: one short
-    # measurement can land on a slow moment of a shared machine and flatter every engine.
-    gflops = max(gflops, measure_gemm_gflops())
+    # The rates are measured before and after the runs and the better kept: one short measurement can land on
+    # a slow moment of a shared machine and flatter every engine.
+    gflops = max(gflops, measure_gemm_gflops(dtype=dtype, device=device))
+    bandwidth = measure_bandwidth_gbs(device=device)
     flops = workload_flops(cfg, work)
-    min_time = flops / (gflops * 1e9)
-    results["roofline"] = {"fp32_gemm_gflops": gflops, "workload_gflop": flops / 1e9, "min_time_s": min_time}
+    nbytes = workload_bytes(work, results["kvcache"]["weight_bytes"], results["kvcache"]["kv_bytes_per_token"])
+    compute_s, memory_s = flops / (gflops * 1e9), nbytes / (bandwidth * 1e9)
+    min_time = max(compute_s, memory_s)
+    results["roofline"] = {"gemm_gflops": gflops, "gemm_dtype": results["dtype"], "bandwidth_gbs": bandwidth,
+                           "workload_gflop": flops / 1e9, "workload_gbytes": nbytes / 1e9, "compute_time_s": compute_s,
+                           "memory_time_s": memory_s, "bound": "compute" if compute_s >= memory_s else "memory",
+                           "min_time_s": min_time}
     for r in [results["kvcache"], *results.get("hf", {}).get("by_batch_size", {}).values()]:
         r["roofline_fraction"] = min_time / r["elapsed_s"]
     if "hf" in results:
@@ -180,20 +210,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(r: dict) -> None:
-    w, roof = r["workload"], r["roofline"]
+    w, roof, m = r["workload"], r["roofline"], r["machine"]
     print(f"\nworkload: {w['num_prompts']} prompts, input {w['input_len']} ({w['input_tokens']:,} tokens), "
           f"output {w['output_len']} ({w['output_tokens']:,} tokens), seed {w['seed']}")
-    print(f"roofline: {roof['fp32_gemm_gflops']:.1f} GFLOP/s fp32 GEMM measured; workload {roof['workload_gflop']:,.0f} "
-          f"GFLOP -> {roof['min_time_s']:.1f} s at best")
+    print(f"device: {m['device']}{' (' + m['device_name'] + ')' if m['device_name'] else ''}, {r['dtype']} compute, "
+          f"{r['kv_cache_dtype']} KV cache, torch {m['torch']}; both engines")
+    print(f"roofline ({roof['bound']}-bound): {roof['workload_gflop']:,.0f} GFLOP at {roof['gemm_gflops']:.1f} GFLOP/s "
+          f"{roof['gemm_dtype']} GEMM = {roof['compute_time_s']:.1f} s; {roof['workload_gbytes']:,.1f} GB to read at "
+          f"{roof['bandwidth_gbs']:.1f} GB/s = {roof['memory_time_s']:.1f} s")
     rows = [("kvcache", r["kvcache"])]
     if "hf" in r:
         rows += [(f"transformers bs={k}", v) for k, v in r["hf"]["by_batch_size"].items()]
-    head = f"{'engine':<22}{'time s':>9}{'out tok/s':>11}{'total tok/s':>13}{'req/s':>8}{'peak RSS MiB':>14}{'roofline':>10}"
+    mem = "peak GPU MiB" if m["device"].startswith("cuda") else "peak RSS MiB"
+    head = f"{'engine':<22}{'time s':>9}{'out tok/s':>11}{'total tok/s':>13}{'req/s':>8}{mem:>14}{'roofline':>10}"
     print(head)
     print("-" * len(head))
     for name, v in rows:
         print(f"{name:<22}{v['elapsed_s']:>9.1f}{v['output_tokens_per_s']:>11.1f}{v['total_tokens_per_s']:>13.1f}"
-              f"{v['requests_per_s']:>8.2f}{v['peak_rss_bytes'] / 2**20:>14.0f}{v['roofline_fraction']:>9.0%}")
+              f"{v['requests_per_s']:>8.2f}{v['peak_memory_bytes'] / 2**20:>14.0f}{v['roofline_fraction']:>9.0%}")
     if "speedup" in r:
         print(f"\nspeedup (output tokens/s) kvcache / best transformers (bs={r['hf']['batch_size']}): "
               f"{r['speedup']:.2f}x")

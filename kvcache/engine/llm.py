@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from kvcache.config import EngineConfig
 from kvcache.engine.llm_engine import LLMEngine, RequestOutput
+from kvcache.engine.outputs import RequestFailedError
 from kvcache.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -40,7 +41,8 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or a dict with "prompt" or "prompt_token_ids" and
-        optionally "cache_salt"); outputs in prompt order."""
+        optionally "cache_salt"); outputs in prompt order. Raises RequestFailedError, once all are done, if the
+        engine failed any (its `outputs` has them all)."""
         if isinstance(prompts, str) or isinstance(prompts, dict) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -117,4 +119,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [done[rid] for rid in ids]
+        outputs = [done[rid] for rid in ids]
+        if any(o.error for o in outputs):
+            raise RequestFailedError(outputs)
+        return outputs

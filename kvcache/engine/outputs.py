@@ -49,6 +49,18 @@ class RequestOutput:
     error: str | None = None
 
 
+class RequestFailedError(RuntimeError):
+    """LLM.generate/chat raise it once every request has finished if the engine failed any of them (non-finite
+    logits, say: float16 overflow). `outputs` holds every request's output in prompt order, the failed ones with
+    finish_reason "error" and their `error`, so that the others are not lost."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        failed = [(i, o.error) for i, o in enumerate(outputs) if o.error]
+        super().__init__(f"{len(failed)} of {len(outputs)} requests failed; the first, prompt {failed[0][0]}: "
+                         f"{failed[0][1]}")
+        self.outputs = outputs
+
+
 @dataclass
 class Request:
     """The engine's state of one request: its sequences (n of them once the prompt is prefilled)."""

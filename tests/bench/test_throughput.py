@@ -4,26 +4,37 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from kvcache.bench.roofline import workload_flops
+from kvcache.bench.roofline import workload_bytes, workload_flops
 from kvcache.bench.workload import parse_range, random_workload
 from kvcache.cli import main
 
 
 @pytest.mark.bench
-def test_bench_throughput_writes_json_with_baseline(tiny_llama, tmp_path, capsys):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_throughput_writes_json_with_baseline(tiny_llama, tmp_path, capsys, dtype):
     out = tmp_path / "tp.json"
     rc = main(["bench", "throughput", "--model", tiny_llama, "--num-prompts", "6", "--input-len", "8:40",
                "--output-len", "4:12", "--seed", "3", "--baseline", "hf", "--hf-batch-sizes", "2,4",
-               "--kv-cache-memory", "4MiB", "--json", str(out)])
+               "--kv-cache-memory", "4MiB", "--device", "cpu", "--dtype", dtype, "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
+    assert (r["machine"]["device"], r["dtype"], r["kv_cache_dtype"]) == ("cpu", dtype, dtype)
+    assert r["machine"]["torch"] == torch.__version__
+    roof = r["roofline"]
+    assert roof["gemm_dtype"] == dtype and roof["gemm_gflops"] > 0 and roof["bandwidth_gbs"] > 0
+    assert roof["min_time_s"] == max(roof["compute_time_s"], roof["memory_time_s"])
+    assert roof["bound"] == ("compute" if roof["compute_time_s"] >= roof["memory_time_s"] else "memory")
+    assert roof["workload_gbytes"] * 1e9 == pytest.approx(workload_bytes(
+        random_workload(6, (8, 40), (4, 12), 320, 3, {0, 1, 2}), r["kvcache"]["weight_bytes"],
+        r["kvcache"]["kv_bytes_per_token"]))
     work = random_workload(6, (8, 40), (4, 12), 320, 3, {0, 1, 2})
     assert r["workload"]["output_tokens"] == work.output_tokens
     assert r["workload"]["input_tokens"] == work.input_tokens
     for engine in ("kvcache", "hf"):
         assert r[engine]["output_tokens_per_s"] > 0
-        assert r[engine]["peak_rss_bytes"] > 0
+        assert r[engine]["peak_memory_bytes"] > 0
         assert 0 < r[engine]["roofline_fraction"]
     assert set(r["hf"]["by_batch_size"]) == {"2", "4"}
     best = max(v["output_tokens_per_s"] for v in r["hf"]["by_batch_size"].values())
@@ -31,6 +42,7 @@ def test_bench_throughput_writes_json_with_baseline(tiny_llama, tmp_path, capsys
     assert r["speedup"] == pytest.approx(r["kvcache"]["output_tokens_per_s"] / best)
     table = capsys.readouterr().out
     assert "kvcache" in table and "transformers bs=2" in table and "speedup" in table
+    assert f"device: cpu, {dtype} compute, {dtype} KV cache" in table and "-bound)" in table
 
 
 def test_parse_range_and_workload_are_exact_and_seeded():
@@ -91,3 +103,9 @@ def test_bench_prefix_rejects_bad_flags(tiny_llama, capsys):
                            (["--baseline", "hf"], "baseline")):
         rc = main(["bench", "throughput", "--model", tiny_llama, "--workload", "shared-prefix", *flags])
         assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_workload_bytes_reads_weights_per_step_and_each_sequences_kv():
+    work = random_workload(2, (3, 3), (2, 4), 10, 0)
+    kv = sum(o * 3 + o * (o - 1) // 2 for o in work.output_lens)
+    assert workload_bytes(work, 1000, 7) == max(work.output_lens) * 1000 + kv * 7

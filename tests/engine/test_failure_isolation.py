@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache import LLM, SamplingParams
+from kvcache import LLM, RequestFailedError, SamplingParams
 from kvcache.compress.spec import EvictionSpec
 from kvcache.engine import llm_engine
 from kvcache.engine.llm_engine import MAX_CONSECUTIVE_FAILURES, EngineDeadError
@@ -194,7 +194,7 @@ def test_a_request_that_cannot_get_blocks_with_the_pool_idle_fails_instead_of_sp
         engine.kv.free(foreign)
 
 
-def test_the_offline_api_returns_the_failed_request_among_the_others(llm, engine, monkeypatch):
+def test_the_offline_api_raises_with_every_output_once_all_are_done(llm, engine, monkeypatch):
     real = llm_engine.sample
 
     def faulty(logits, rows, eos):
@@ -202,7 +202,9 @@ def test_the_offline_api_returns_the_failed_request_among_the_others(llm, engine
             raise RuntimeError("injected")
         return real(logits, rows, eos)
     monkeypatch.setattr(llm_engine, "sample", faulty)
-    outs = llm.generate([[5, 6, 7], BAD[0]], [SamplingParams(max_tokens=4, temperature=0), BAD[1]], use_tqdm=False)
+    with pytest.raises(RequestFailedError, match="1 of 2 requests failed; the first, prompt 1: .*sampling") as e:
+        llm.generate([[5, 6, 7], BAD[0]], [SamplingParams(max_tokens=4, temperature=0), BAD[1]], use_tqdm=False)
+    outs = e.value.outputs
     assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 4
     assert_failed(outs[1], "sampling")
 

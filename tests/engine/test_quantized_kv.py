@@ -1,6 +1,12 @@
 """Quantized KV storage in the engine: every format runs the mixed-length workload batched, with chunked
 prefill, with preemption and with prefix caching, gives the same greedy tokens as one request at a
-time (a token sees the same stored K/V however its request is scheduled), and leaks nothing."""
+time (a token sees the same stored K/V however its request is scheduled), and leaks nothing.
+
+Under bfloat16 and float16 compute, "the same" cannot be exact: attention kernels round differently for other
+query and context lengths, so a step whose top two logits tie (bf16 ties outright on these tiny models) may go
+either way. There a run must equal one-at-a-time up to its first difference, and that difference must fall on a
+step whose top-2 margin (in the one-at-a-time run) is within 4 x eps(dtype): two units in the last place of the
+tiny models' logits, which stay below 2."""
 from __future__ import annotations
 
 import pytest
@@ -14,78 +20,104 @@ from kvcache.plan.kv_bytes import kv_bytes_per_token, residual_bytes_per_seq
 from engine.test_greedy_parity import _workload
 
 DTYPES = ["float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"]
-# Every format on llama (GQA, head_dim 16); one per-token and one KIVI format on a sliding window of 24 and on head_dim 32.
-CASES = [("llama", d) for d in DTYPES] + [(a, d) for a in ("mistral-swa", "qwen3") for d in ("int8", "int4")]
+# (arch, KV format, compute dtype). Every format on llama (GQA, head_dim 16) in float32; one per-token and one KIVI
+# format on a sliding window of 24 and on head_dim 32; and the formats under bfloat16 and float16 compute.
+CASES = ([("llama", d, "float32") for d in DTYPES] + [(a, d, "float32") for a in ("mistral-swa", "qwen3")
+                                                       for d in ("int8", "int4")]
+         + [("llama", d, "bfloat16") for d in ("bfloat16", "fp8_e4m3", "int8", "int4")]
+         + [("llama", "float16", "float16"), ("qwen3", "int8", "float16"), ("mistral-swa", "int4", "bfloat16")])
 
 
-def _greedy(max_tokens):
-    return [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in max_tokens]
+def _greedy(max_tokens, logprobs=None):
+    return [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n, logprobs=logprobs) for n in max_tokens]
 
 
-def _run(llm, prompts, max_tokens):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(max_tokens), use_tqdm=False)
+def _run(llm, prompts, max_tokens, logprobs=None):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(max_tokens, logprobs), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == max_tokens
     eng = llm.engine
     eng.check_no_leaks()
     assert eng.kv.num_free_blocks == eng.kv.pool.num_usable and not eng.kv.private_blocks
-    return [o.outputs[0].token_ids for o in outs]
+    return [o.outputs[0] for o in outs] if logprobs else [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
+class Expected:
+    """One-at-a-time greedy tokens, and in half precision each step's top-2 margin (see the module docstring)."""
+
+    def __init__(self, llm, prompts, max_tokens, compute: str) -> None:
+        half = compute != "float32"
+        outs = [_run(llm, [p], [n], logprobs=2 if half else None)[0] for p, n in zip(prompts, max_tokens)]
+        self.tokens = [o.token_ids for o in outs] if half else outs
+        self.margins = [[m[0] - m[1] for m in (sorted(d.values(), reverse=True) for d in o.logprobs)]
+                        for o in outs] if half else None
+        self.tol = 4 * torch.finfo(getattr(torch, compute)).eps if half else 0.0
+
+    def check(self, got: list[list[int]], subset: list[int] | None = None) -> None:
+        for i, tokens in zip(subset or range(len(self.tokens)), got):
+            want = self.tokens[i]
+            if self.margins is None or tokens == want:
+                assert tokens == want, i
+                continue
+            first = next(j for j, (a, b) in enumerate(zip(tokens, want)) if a != b)
+            assert self.margins[i][first] <= self.tol, (i, first, self.margins[i][first])
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}" + ("" if p[2] == "float32" else f"-{p[2]}"))
 def case(request, tiny_model_dirs):
-    arch, dtype = request.param
+    arch, dtype, compute = request.param
     path = tiny_model_dirs[arch]
     prompts, max_tokens = _workload(seed=1)
-    alone = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="8MiB", enable_prefix_caching=False)
-    expected = [_run(alone, [p], [n])[0] for p, n in zip(prompts, max_tokens)]
-    return path, dtype, prompts, max_tokens, expected
+    alone = LLM(path, dtype=compute, kv_cache_dtype=dtype, kv_cache_memory="8MiB", enable_prefix_caching=False)
+    return path, dict(dtype=compute, kv_cache_dtype=dtype), prompts, max_tokens, Expected(alone, prompts, max_tokens,
+                                                                                       compute)
 
 
 def test_batched_and_chunked_equal_one_at_a_time(case):
-    path, dtype, prompts, max_tokens, expected = case
-    llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="8MiB", max_num_batched_tokens=32)
-    assert _run(llm, prompts, max_tokens) == expected
+    path, fmt, prompts, max_tokens, expected = case
+    llm = LLM(path, **fmt, kv_cache_memory="8MiB", max_num_batched_tokens=32)
+    expected.check(_run(llm, prompts, max_tokens))
 
 
 def test_preemption_equals_one_at_a_time(case):
-    path, dtype, prompts, max_tokens, expected = case
-    if dtype in ("int4", "int2"):
-        _kivi_preemption(path, dtype)
+    path, fmt, prompts, max_tokens, expected = case
+    if fmt["kv_cache_dtype"] in ("int4", "int2"):
+        _kivi_preemption(path, fmt)
         return
     bs = 8  # small blocks: a small pool admits more, so growth preempts
-    probe = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="1MiB", block_size=bs)
+    probe = LLM(path, **fmt, kv_cache_memory="1MiB", block_size=bs)
     info = probe.kv_cache_info()
     largest = max(blocks_for(len(p) + n, bs) for p, n in zip(prompts, max_tokens)) + info["seq_blocks"]
     num_blocks = largest * 3 // 2
-    llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory=num_blocks * bs * info["bytes_per_token"],
+    llm = LLM(path, **fmt, kv_cache_memory=num_blocks * bs * info["bytes_per_token"],
               max_num_batched_tokens=48, block_size=bs)
     assert llm.kv_cache_info()["num_blocks"] == num_blocks
-    assert _run(llm, prompts, max_tokens) == expected
+    expected.check(_run(llm, prompts, max_tokens))
     assert llm.kv_cache_info()["num_preemptions"] > 0
 
 
-def _kivi_preemption(path, dtype):
+def _kivi_preemption(path, fmt):
     """Short prompts that grow by 4 blocks of 64 each, in a 10-block pool: two are admitted (1 block + 2 private
     each), their growth cannot fit, so one is preempted and recomputed, residual included."""
     prompts = [list(range(3 + i, 13 + 2 * i)) for i in range(4)]
     max_tokens = [250] * 4
-    alone = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="8MiB")
-    expected = [_run(alone, [p], [n])[0] for p, n in zip(prompts, max_tokens)]
+    alone = LLM(path, **fmt, kv_cache_memory="8MiB")
+    expected = Expected(alone, prompts, max_tokens, fmt["dtype"])
     per_block = 64 * alone.kv_cache_info()["bytes_per_token"]
-    llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory=10 * per_block, max_num_batched_tokens=48)
+    llm = LLM(path, **fmt, kv_cache_memory=10 * per_block, max_num_batched_tokens=48)
     assert llm.kv_cache_info()["num_blocks"] == 10
-    assert _run(llm, prompts, max_tokens) == expected
+    expected.check(_run(llm, prompts, max_tokens))
     assert llm.kv_cache_info()["num_preemptions"] > 0
 
 
 def test_prefix_cache_shares_quantized_blocks(case):
-    path, dtype, prompts, max_tokens, expected = case
-    llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="8MiB")
+    path, fmt, prompts, max_tokens, expected = case
+    llm = LLM(path, **fmt, kv_cache_memory="8MiB")
     long = [i for i, p in enumerate(prompts) if len(p) > llm.kv_cache_info()["block_size"]]
     assert long
     first = _run(llm, [prompts[i] for i in long], [max_tokens[i] for i in long])
     again = _run(llm, [prompts[i] for i in long], [max_tokens[i] for i in long])
-    assert first == again == [expected[i] for i in long]
+    expected.check(first, long)
+    expected.check(again, long)
     info = llm.kv_cache_info()
     assert info["prefix_cache_hits"] > 0
 

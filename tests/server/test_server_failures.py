@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from live_server import API_KEY, MODEL, scrape, start_server
+from tiny_models import OVERFLOW_TOKEN, make_fp16_overflow_model
 from kvcache import LLM, SamplingParams
 from kvcache.engine import llm_engine
 from kvcache.engine.llm_engine import MAX_CONSECUTIVE_FAILURES
@@ -238,3 +239,16 @@ def test_a_dead_engine_answers_503_until_the_server_is_down(tiny_llama, monkeypa
             assert_clean_error(post(client, dead.url, {"prompt": "w5"}), 503, "engine")
     finally:
         dead.stop()
+
+
+def test_float16_overflow_is_a_500_for_that_request_and_the_server_serves_on(tiny_llama, tmp_path):
+    path = make_fp16_overflow_model(tiny_llama, str(tmp_path / "overflow"))
+    srv = start_server(path, dtype="float16", max_model_len=128)
+    try:
+        with httpx.Client() as client:
+            bad = post(client, srv.url, {"prompt": [5, 6, OVERFLOW_TOKEN], "max_tokens": 4})
+            error = assert_clean_error(bad, 500, "non-finite logits", bad.headers["x-request-id"])
+            assert error["code"] == "engine_error"
+            assert_healthy(client, srv.url)
+    finally:
+        srv.stop()
