@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install demo test bench eval eval-eviction clean
+.PHONY: install demo test bench eval eval-eviction gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ eval: install
 
 eval-eviction: install
 	$(VENV)/bin/kvcache eval eviction --json results/kv_eviction.json --plot results/kv_eviction.png
+
+# On a machine with one NVIDIA GPU and torch, triton and transformers installed (no venv, no network): see the script.
+gpu-check:
+	python3 scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) results

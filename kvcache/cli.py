@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the compute dtype), float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, "
                         "int8, int4, int2 (fp8/int8 with a scale per token and head; int4/int2 KIVI)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch", "cpu"],
+                   help="auto: triton kernels on CUDA, the C++ decode kernel on CPU, where they can run; torch: the "
+                        "portable PyTorch path")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-eviction", default="none", choices=list(POLICIES),
                    help="token eviction policy: streaming (StreamingLLM), h2o, snapkv, tova, pyramidkv, random; "
@@ -239,7 +242,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if memory is not None or args.kv_cache_memory is not None:
         device = plan_device(
             shape, kv, memory_per_gpu=memory,
-            kv_cache_memory=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
+            # a share is of the GPU's memory when one is named, as the engine takes it on CUDA
+            kv_cache_memory=parse_bytes(args.kv_cache_memory, of=memory) if args.kv_cache_memory else None,
             num_gpus=args.num_gpus, tensor_parallel_size=tp, gpu_memory_utilization=args.gpu_memory_utilization,
             weights=args.dtype, activation_bytes=parse_bytes(args.activation_reserve, allow_zero=True) if args.activation_reserve else None,
             block_size=block_size, seq_len=seq_len, batch=args.batch, max_num_seqs=args.max_num_seqs,
@@ -412,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(t)
     add_tp_args(t)
     t.set_defaults(func=run_tp)
+    from kvcache.bench.attention import add_args as add_attn_args, run as run_attn
+    ba = bsub.add_parser("attention", help="decode attention alone: time per call, GB/s and the fraction of the "
+                         "device's measured bandwidth, each backend against the portable torch path")
+    add_attn_args(ba)
+    ba.set_defaults(func=run_attn)
     from kvcache.bench.serve import add_args as add_serve_bench_args, run as run_serve_bench
     bs = bsub.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput")
     add_serve_bench_args(bs)

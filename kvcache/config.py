@@ -71,6 +71,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # KV storage: auto (= compute dtype), float32, float16, bfloat16, fp8_e4m3,
     # fp8_e5m2, int8, int4, int2 (aliases fp32, fp16, bf16, fp8)
     device: str = "auto"
+    attention_backend: str = "auto"  # auto, triton (CUDA), torch (portable), cpu (the C++ decode kernel)
     seed: int = 0
     kv_eviction: str = "none"  # token eviction: none, streaming, h2o, snapkv, tova, pyramidkv, random
     kv_budget: int | float | str | None = None  # KV tokens a request keeps (512) or a ratio of its prompt (0.25)
@@ -112,6 +113,8 @@ class EngineConfig:
         EvictionSpec(self.kv_eviction, self.kv_budget)  # raises on a bad policy or budget
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if self.attention_backend not in ("auto", "triton", "torch", "cpu"):
+            raise ValueError(f"attention_backend must be one of auto, triton, torch, cpu; got {self.attention_backend!r}")
 
     @property
     def eviction(self) -> EvictionSpec:

@@ -48,6 +48,12 @@ def make_tiny_model(directory: str, arch: str, seed: int = 0) -> str:
     cfg = cls(**{**COMMON, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # transformers initialises norms to 1 and biases to 0: make them count in the tests
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(directory)
     _write_tokenizer(directory, cfg.vocab_size)
     return directory

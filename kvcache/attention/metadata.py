@@ -80,10 +80,11 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # rows whose next-token logits are wanted
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
-    decode_kernel: bool = False  # decode rows go through the C++ CPU kernel (no groups, no masks)
+    decode_kernel: bool = False  # decode rows go through a kernel that walks block tables (no groups, no masks)
     kivi: KiviPlan | None = None
     capture_rows: torch.Tensor | None = None  # rows whose post-RoPE queries each layer appends to captured_q
     captured_q: list[torch.Tensor] = field(default_factory=list)
+    backend: str = "cpu"  # whose kernels decode_kernel means, and (triton) who attends cached prefills
 
     @property
     def num_tokens(self) -> int:

@@ -1,10 +1,11 @@
-"""Attention over the paged KV store.
+"""Attention over the paged KV store, by the backend chosen at start-up (backend.py).
 
-Decode rows go through the C++ CPU kernel when it is available (see cpu_kernel.py).
-Otherwise, the portable path: decode rows are attended in groups of similar length: their blocks are gathered into a
-reused workspace (allocating a fresh tensor each layer costs more than the copy on
-CPU), then one SDPA call with a padding mask. Prefill chunks are attended one sequence
-at a time; a chunk with no cached prefix attends to its fresh K/V without a gather.
+Decode rows go through a kernel that walks block tables: the C++ CPU kernel (cpu_kernel.py) or the Triton one
+(triton_attention.py). Otherwise, the portable path: decode rows are attended in groups of similar length: their
+blocks are gathered into a reused workspace (allocating a fresh tensor each layer costs more than the copy on
+CPU), then one SDPA call with a padding mask. Prefill chunks are attended one sequence at a time; a chunk with no
+cached prefix attends to its fresh K/V without a gather, a chunk over a cached prefix reads the store (the
+Triton kernel on that backend, a gather and SDPA otherwise).
 """
 from __future__ import annotations
 
@@ -13,17 +14,6 @@ import torch.nn.functional as F
 
 from kvcache.attention import cpu_kernel
 from kvcache.attention.metadata import ForwardBatch
-from kvcache.store.quantized_store import QuantizedKVStore
-
-
-def use_cpu_kernel(device: torch.device, dtype: torch.dtype, store=None) -> bool:
-    """Whether decode rows go through the C++ kernel rather than SDPA: CPU, fp32 compute, the compiler present,
-    and fp32 or quantized storage (float16/bfloat16 storage takes the portable path)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return False
-    if store is not None and not store.exact and not isinstance(store, QuantizedKVStore):
-        return False
-    return cpu_kernel.load() is not None
 
 
 class Workspace:
@@ -69,6 +59,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
     src = key_src
     for g in batch.decode_groups:
         table, lens = g.view(layer)
+        if batch.decode_kernel and batch.backend == "triton":
+            o = ws.get("decode_out", (g.rows.numel(), H, D), q)
+            triton_attention().paged_decode(o, q.index_select(0, g.rows), store, layer, table, lens, scale, window)
+            out.index_copy_(0, g.rows, o)
+            continue
         if batch.decode_kernel:
             o = ws.get("decode_out", (g.rows.numel(), H, D), q)
             if store.exact:
@@ -94,6 +89,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
                                            scale=scale, enable_gqa=gqa)
         out.index_copy_(0, g.rows, o.squeeze(2))
     for p in batch.prefills:
+        if batch.backend == "triton" and p.block_ids is not None:
+            triton_attention().paged_prefill(out, q, store, layer, p.block_ids, p.start, p.length, p.context_len, scale,
+                                             window)
+            continue
         qs = q[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if p.block_ids is None:
             ks = k[p.start:p.start + p.length]
@@ -111,3 +110,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
                                            enable_gqa=gqa)
         out[p.start:p.start + p.length] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def triton_attention():
+    """The Triton kernels' module, imported on first use: triton is needed only by that backend."""
+    from kvcache.attention import triton_attention as module
+    return module

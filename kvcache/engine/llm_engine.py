@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.attention.backend import resolve_backend
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
 from kvcache.engine.eviction import Evictor, seq_chunk
@@ -88,9 +89,11 @@ class LLMEngine:
         self._kivi_group = KV_DTYPES[self.kv_dtype].group if KV_DTYPES[self.kv_dtype].scales == "kivi" else 0
         if config.eviction.enabled:
             self._check_eviction(config.eviction)
+        self.backend, why = resolve_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
+                                            config.block_size)
         self.model = build_model(loaded, self.max_model_len, self.device, self.dtype)
         self.budget, self.capacity = kv_capacity(config, self.device, self.model, self.shape, self.kv_dtype,
-                                                 self.max_model_len)
+                                                 self.max_model_len, self.backend)
         # One more physical block than the budget buys: block 0, the null block that pads tables.
         self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size,
                                  config.prefix_caching_algo if config.enable_prefix_caching else None,
@@ -99,7 +102,10 @@ class LLMEngine:
                                 self.shape.num_kv_heads, self.shape.head_dim, self.kv_dtype, self.dtype, self.device,
                                 self.capacity.bytes_per_token)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model, self.store, self.kv, self.device)
+        if self.backend == "triton" and hasattr(self.store, "raw"):
+            from kvcache.attention.triton_attention import write_quantized
+            self.store.fused_write = write_quantized
+        self.runner = ModelRunner(self.model, self.store, self.kv, self.device, self.backend)
         self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.shape.num_kv_heads,
                                self.model.layers[0].scale, self.device)
         self.eos_token_ids = self._eos_ids(hf)
@@ -113,8 +119,9 @@ class LLMEngine:
         self._consecutive_failures = 0  # steps in a row that failed with no request to blame
         self.stop = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         c = self.capacity
-        log.info("weights: %.2f GiB of %s on %s; KV budget %s", self.model.weight_bytes / 2**30,
-                 str(self.dtype).removeprefix("torch."), self.device, self.budget)
+        log.info("weights: %.2f GiB of %s on %s; attention backend %s (%s); KV budget %s",
+                 self.model.weight_bytes / 2**30, str(self.dtype).removeprefix("torch."), self.device, self.backend, why,
+                 self.budget)
         log.info("KV cache (%s): %s blocks x %d tokens = %s tokens, %.2f GiB (%s)%s; maximum concurrency for %s "
                  "tokens per request: %.2fx", self.kv_dtype, f"{c.num_blocks:,}", c.block_size, f"{c.num_tokens:,}",
                  c.total_bytes / 2**30, kv_formula(self.shape, self.kv_dtype),
@@ -337,9 +344,14 @@ class LLMEngine:
         log.error("request %s failed: %s", req.request_id, message, exc_info=exc)
         req.error = message
         for seq in req.seqs:
-            self.scheduler.finish(seq, "error")
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error", release=self._release_scrubbed)
             seq.finish_reason = "error"  # also on a sequence that had finished
         self._failed.add(req.request_id)
+
+    def _release_scrubbed(self, seq_id: int) -> None:
+        """Free a failed sequence's blocks, zeroing those nobody else holds (see KVCacheManager.release_scrubbed)."""
+        self.store.zero_blocks(self.kv.release_scrubbed(seq_id))
 
     def _batch_failed(self, seqs: list[Sequence], exc: Exception, also: set[str] = frozenset()) -> None:
         """A failure no single request explains: fail the requests of `seqs` and `also`, or give up after
@@ -532,6 +544,7 @@ class LLMEngine:
         free = kv.num_free_blocks
         return {
             "device": str(self.device), "compute_dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.backend,
             "weight_bytes": self.model.weight_bytes, "kv_cache_budget": str(self.budget),
             "block_size": c.block_size, "num_blocks": c.num_blocks, "num_tokens": c.num_tokens,
             "bytes_per_token": c.bytes_per_token, "total_bytes": c.total_bytes, "dtype": self.kv_dtype,

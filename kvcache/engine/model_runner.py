@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from kvcache.attention.metadata import KiviLayout, SeqChunk, build_batch
-from kvcache.attention.paged import use_cpu_kernel
 from kvcache.engine.eviction import seq_chunk
 from kvcache.engine.sequence import Sequence
 from kvcache.memory.kv_cache_manager import KVCacheManager
@@ -17,9 +16,10 @@ class ModelRunner:
     """Owns the model and the KV store; knows nothing of queues or requests."""
 
     def __init__(self, model: LlamaModel, store: KVStore | QuantizedKVStore, kv: KVCacheManager,
-                 device: torch.device) -> None:
+                 device: torch.device, backend: str = "torch") -> None:
         self.model, self.store, self.kv, self.device = model, store, kv, device
-        self.decode_kernel = use_cpu_kernel(device, next(model.parameters()).dtype, store)
+        self.backend = backend  # see attention/backend.py
+        self.decode_kernel = backend in ("cpu", "triton")
         self.kivi = None
         self.captured: list[torch.Tensor] = []
         if store.kivi_group:
@@ -48,6 +48,7 @@ class ModelRunner:
     def _forward(self, specs: list[SeqChunk], logit_rows: range | None = None) -> torch.Tensor:
         batch = build_batch(specs, self.store.block_size, self.model.windows, self.device, self.decode_kernel,
                             read_cache=not self.store.exact, kivi=self.kivi)
+        batch.backend = self.backend
         if logit_rows is not None:
             batch.logits_indices = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         self.captured = batch.captured_q  # per layer [rows, H, D], in chunk order (eviction scoring)

@@ -12,6 +12,7 @@ pool runs dry the most recently admitted sequence is preempted: its blocks are f
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvcache.config import EngineConfig
@@ -55,8 +56,8 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Remove `seq` from the queues and return its blocks."""
+    def finish(self, seq: Sequence, reason: str, release: Callable[[int], object] | None = None) -> None:
+        """Remove `seq` from the queues and return its blocks (through `release` if given, else kv.free)."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -65,7 +66,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.kv.free(seq.seq_id)
+        (release or self.kv.free)(seq.seq_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

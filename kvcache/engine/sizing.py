@@ -3,9 +3,10 @@ has left once the weights are loaded, stated term by term.
 
 - `--kv-cache-memory` given: that many bytes, or that share of the device's memory (CUDA) or of the RAM
   available (CPU).
-- CUDA, not given (vLLM's sizing): gpu_memory_utilization x total memory - weights - the peak of a profile
-  forward at the step limits - memory held outside torch (plan/capacity.py's device_budget, which `kvcache
-  plan` uses too).
+- CUDA, not given (vLLM's sizing): gpu_memory_utilization x total memory - what the model keeps resident (weights,
+  RoPE tables) - the peak of a profile step at the limits (plus, on the torch attention path, the K/V it gathers
+  and the scores it keeps: portable_attention_bytes) - memory held outside torch (plan/capacity.py's
+  device_budget, which `kvcache plan` uses too).
 - CPU, not given: CPU_DEFAULT_KV_BYTES, at most half of the RAM available after the weights.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -24,7 +26,7 @@ from kvcache.engine.sampler import SamplingRow, sample
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.models.llama import LlamaModel
 from kvcache.plan.capacity import device_budget
-from kvcache.plan.kv_bytes import CacheCapacity, cache_capacity
+from kvcache.plan.kv_bytes import CacheCapacity, cache_capacity, kv_bytes_per_token
 from kvcache.plan.shape import ModelShape
 from kvcache.store.kv_store import KVStore
 
@@ -86,8 +88,11 @@ class KVBudget:
         return f"{self.bytes / GiB:,.2f} GiB{self.how}"
 
 
-def kv_budget(config: EngineConfig, device: torch.device, model: LlamaModel) -> KVBudget:
-    """The KV budget for `model`, already loaded on `device` (see the module docstring)."""
+def kv_budget(config: EngineConfig, device: torch.device, model: LlamaModel, portable_attention: Callable[[int], int]
+              ) -> KVBudget:
+    """The KV budget for `model`, already loaded on `device` (see the module docstring). `portable_attention(budget)`
+    is what the torch attention path needs beside the profile step with a pool of `budget` bytes (0 on other
+    backends)."""
     given = config.kv_cache_memory
     weights = model.weight_bytes
     cuda = device.type == "cuda"
@@ -99,23 +104,47 @@ def kv_budget(config: EngineConfig, device: torch.device, model: LlamaModel) -> 
     if given is not None:
         return KVBudget(given, ": --kv-cache-memory", False)
     if cuda:
+        resident = torch.cuda.memory_allocated(device)  # the weights and every buffer the model keeps (RoPE tables)
         activations = profile_forward(model, config, device)
         free, total = torch.cuda.mem_get_info(device)
         non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
-        b = device_budget(total, config.gpu_memory_utilization, weights, activations, non_torch)
+        b = device_budget(total, config.gpu_memory_utilization, resident, activations, non_torch)
+        extra = portable_attention(b.budget)
+        if extra:
+            b = device_budget(total, config.gpu_memory_utilization, resident, activations + extra, non_torch)
         return KVBudget(b.budget, f" = {b.terms()} (activations profiled at {config.max_num_batched_tokens:,} tokens "
-                                  f"and {config.max_num_seqs} sampled rows)", True)
+                                  f"and {config.max_num_seqs} sampled rows"
+                                  + (f", plus {extra / GiB:,.2f} GiB the torch attention path gathers into"
+                                     if extra else "") + ")", True)
     available = psutil.virtual_memory().available
     budget = min(CPU_DEFAULT_KV_BYTES, available // 2)
     return KVBudget(budget, f": the CPU default of {CPU_DEFAULT_KV_BYTES / GiB:g} GiB, at most half of the "
                             f"{available / GiB:,.2f} GiB of RAM available after {weights / GiB:,.2f} GiB of weights", True)
 
 
+def portable_attention_bytes(config: EngineConfig, shape: ModelShape, max_model_len: int, compute_bytes: int,
+                             pool_tokens: int) -> int:
+    """What the torch attention path allocates beyond the profile step (a fresh prefill): decode rows gathered into
+    padded K/V buffers (up to max_num_seqs sequences of max_model_len tokens, never more than the pool holds), and a
+    chunk over a cached prefix attended under a mask (SDPA's math kernel keeps its scores and their softmax)."""
+    gathered = min(config.max_num_seqs * max_model_len, pool_tokens) * shape.num_kv_heads * shape.head_dim * 2
+    chunk = min(config.max_num_batched_tokens, max_model_len)
+    scores = 2 * shape.num_attention_heads * chunk * max_model_len
+    return (gathered + scores) * compute_bytes
+
+
 def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, shape: ModelShape, kv_dtype: str,
-                max_model_len: int) -> tuple[KVBudget, CacheCapacity]:
-    """The budget and what it buys in `kv_dtype`; ValueError if a budget computed from the device cannot hold
-    one request of max_model_len tokens (a given one is the user's choice: such requests are refused one by one)."""
-    budget = kv_budget(config, device, model)
+                max_model_len: int, backend: str = "torch") -> tuple[KVBudget, CacheCapacity]:
+    """The budget and what it buys in `kv_dtype` with attention `backend`; ValueError if a budget computed from the
+    device cannot hold one request of max_model_len tokens (a given one is the user's choice: such requests are
+    refused one by one)."""
+    per_token = kv_bytes_per_token(shape, kv_dtype)
+    compute_bytes = next(model.parameters()).element_size()
+
+    def portable(budget: int) -> int:
+        return 0 if backend != "torch" else portable_attention_bytes(config, shape, max_model_len, compute_bytes,
+                                                                     budget // per_token)
+    budget = kv_budget(config, device, model, portable)
     capacity = cache_capacity(shape, kv_dtype, budget.bytes, config.block_size, max_model_len)
     one_request = -(-max_model_len // config.block_size) + capacity.seq_blocks
     if budget.derived and capacity.num_blocks < one_request:

@@ -304,6 +304,21 @@ class KVCacheManager:
         self._compacted.add(seq_id)
         return table, new
 
+    def release_scrubbed(self, seq_id: int) -> list[int]:
+        """Free `seq_id` (a sequence the engine failed: its K/V may be NaN or garbage) and return the blocks that no
+        one holds any more, made unfindable in the prefix cache: the caller zeroes them before anyone reuses them,
+        since attention reads whole blocks and 0 x NaN is NaN even in a masked slot. Blocks others still hold
+        (shared prefixes, the radix tree's) keep their content: it is what the same tokens compute."""
+        held = self.block_tables.get(seq_id, []) + self.private_blocks.get(seq_id, [])
+        counts: dict[int, int] = {}
+        for b in held:
+            counts[b] = counts.get(b, 0) + 1
+        alone = [b for b, n in counts.items() if self.pool.ref_counts[b] == n]
+        for b in alone:
+            self.pool.uncache(b)
+        self.free(seq_id)
+        return alone
+
     def free(self, seq_id: int) -> None:
         """Release every block of `seq_id` (no-op if it holds none); cached blocks stay findable."""
         table = self.block_tables.pop(seq_id, None)

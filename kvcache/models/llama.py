@@ -192,15 +192,16 @@ class LlamaModel(nn.Module):
                 n = rows.shape[0]
                 (dst[:, start:start + n] if transpose else dst[start:start + n]).copy_(rows.t() if transpose else rows)
 
-        def put_fused(dense: Dense, parts: list[str], bias_parts: list[str] | None) -> None:
-            """Hugging Face's separate projections `parts`, side by side in the columns of one fused Dense."""
+        def put_fused(dense: Dense, parts: list[str], bias_parts: list[str] | None, split: list[int]) -> None:
+            """Hugging Face's separate projections `parts` ([split[i], in] each), side by side in the columns of one
+            fused Dense."""
             missing = [n for n in parts if n not in names]
             if missing:
                 raise KeyError(f"checkpoint has no tensor {missing[0]!r}")
             rows = [source.shape(n)[0] for n in parts]
-            if sum(rows) != dense.weight.shape[1]:
+            if rows != split:
                 raise KeyError(f"{', '.join(parts)} have {' + '.join(map(str, rows))} rows, this model needs "
-                               f"{dense.weight.shape[1]} together")
+                               f"{' + '.join(map(str, split))}")
             at = 0
             for i, (name, n) in enumerate(zip(parts, rows)):
                 put(dense.weight[:, at:at + n], name, transpose=True)
@@ -219,14 +220,17 @@ class LlamaModel(nn.Module):
             put(self.norm, "model.norm.weight")
             for i, layer in enumerate(self.layers):
                 a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+                q_rows, kv_rows = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
                 put_fused(layer.qkv, [a + f"{n}_proj.weight" for n in "qkv"],
-                          [a + f"{n}_proj.bias" for n in "qkv"] if layer.qkv.bias is not None else None)
+                          [a + f"{n}_proj.bias" for n in "qkv"] if layer.qkv.bias is not None else None,
+                          [q_rows, kv_rows, kv_rows])
                 put(layer.o_proj.weight, a + "o_proj.weight", transpose=True)
                 if layer.o_proj.bias is not None:
                     put(layer.o_proj.bias, a + "o_proj.bias")
                 mlp_bias = layer.gate_up.bias is not None
+                inter = layer.gate_up.weight.shape[1] // 2
                 put_fused(layer.gate_up, [m + "gate_proj.weight", m + "up_proj.weight"],
-                          [m + "gate_proj.bias", m + "up_proj.bias"] if mlp_bias else None)
+                          [m + "gate_proj.bias", m + "up_proj.bias"] if mlp_bias else None, [inter, inter])
                 put(layer.down.weight, m + "down_proj.weight", transpose=True)
                 if mlp_bias:
                     put(layer.down.bias, m + "down_proj.bias")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-import gguf
 import numpy as np
 import torch
 from safetensors import safe_open
@@ -133,6 +132,8 @@ class GGUFSource(WeightSource):
     needs the whole tensor (they are small)."""
 
     def __init__(self, path: str, arch: str, num_heads: int, num_kv_heads: int) -> None:
+        import gguf  # only GGUF checkpoints need it
+        self._gguf = gguf
         self.reader = gguf.GGUFReader(path)
         self.arch, self.num_heads, self.num_kv_heads = arch, num_heads, num_kv_heads
         self._tensors = {}
@@ -158,7 +159,7 @@ class GGUFSource(WeightSource):
         t = self._tensors[name]
         heads = self._permuted(name)
         data = t.data if heads or t.data.ndim < 2 else t.data[start:stop]
-        w = gguf.quants.dequantize(data, t.tensor_type)
+        w = self._gguf.quants.dequantize(data, t.tensor_type)
         if heads:
             w = _unpermute(w, heads)
             w = w if w.ndim < 2 else w[start:stop]

@@ -58,6 +58,13 @@ class KVStore:
         compaction. All reads happen before any write, so the ranges may overlap."""
         move_slots([self.k[layer], self.v[layer]], src, dst, self.block_size)
 
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Clear `blocks` in every layer (a failed request's, which may hold NaN)."""
+        if blocks:
+            idx = torch.tensor(blocks, device=self.k[0].device)
+            for t in self.k + self.v:
+                t.index_fill_(0, idx, 0)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
         if not pairs:

@@ -18,6 +18,7 @@ are quantized per token at write time, as KIVI does.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +96,8 @@ class QuantizedKVStore:
         # The residual's fp16 elements, addressed across a sequence's private blocks.
         self.row_elems = self.row_bytes // 2
         self.flat16 = [raw.view(torch.float16).view(-1) for raw in self.raw] if self.kivi_group else []
+        # A fused quantize-and-scatter kernel for the per-token formats (the Triton backend's), else the codec's ops
+        self.fused_write: Callable[[QuantizedKVStore, int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -108,6 +111,9 @@ class QuantizedKVStore:
         Returns, under KIVI, the step's full-precision keys (`key_source`) as read before the write: attention
         needs them, and the write may reuse residual slots that earlier queries of this step still read."""
         p = self.parts[layer]
+        if not self.kivi_group and self.fused_write is not None:
+            self.fused_write(self, layer, slot_mapping, k, v)
+            return None
         blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
         if not self.kivi_group:
             for x, data, scale in ((k, "kd", "ks"), (v, "vd", "vs")):
@@ -170,6 +176,13 @@ class QuantizedKVStore:
             raise ValueError(f"{self.dtype} quantizes keys in {self.kivi_group}-token groups: its tokens cannot be "
                              "evicted one by one")
         move_slots(list(self.parts[layer].values()), src, dst, self.block_size)
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Clear `blocks` in every layer, codes, scales and residuals (a failed request's, which may hold NaN)."""
+        if blocks:
+            idx = torch.tensor(blocks, device=self.raw[0].device)
+            for raw in self.raw:
+                raw.index_fill_(0, idx, 0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (a fork's partial block and private blocks)."""

@@ -109,3 +109,24 @@ def test_workload_bytes_reads_weights_per_step_and_each_sequences_kv():
     work = random_workload(2, (3, 3), (2, 4), 10, 0)
     kv = sum(o * 3 + o * (o - 1) // 2 for o in work.output_lens)
     assert workload_bytes(work, 1000, 7) == max(work.output_lens) * 1000 + kv * 7
+
+
+@pytest.mark.bench
+def test_bench_attention_reports_bandwidth_against_the_torch_path(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "attn.json"
+    rc = main(["bench", "attention", "--batch", "3", "--context", "70", "--kv-cache-dtype", "float32,int8",
+               "--device", "cpu", "--backends", "cpu,torch", "--seconds", "0.05", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert (r["heads"], r["kv_heads"], r["head_dim"]) == (32, 8, 128) and r["bandwidth_gbs"] > 0
+    rows = {(x["kv_cache_dtype"], x["backend"]): x for x in r["results"]}
+    assert set(rows) == {("float32", "cpu"), ("float32", "torch"), ("int8", "cpu"), ("int8", "torch")}
+    assert rows["float32", "cpu"]["gbytes_read"] * 1e9 == 3 * 70 * 8 * 128 * 2 * 4
+    assert rows["int8", "cpu"]["gbytes_read"] * 1e9 == 3 * 70 * 8 * (128 + 2) * 2  # codes and fp16 scales
+    for x in r["results"]:
+        assert x["achieved_gbs"] == pytest.approx(x["gbytes_read"] / (x["time_ms"] / 1e3))
+        assert x["speedup_vs_torch"] == pytest.approx(rows[x["kv_cache_dtype"], "torch"]["time_ms"] / x["time_ms"])
+    assert "of bandwidth" in capsys.readouterr().out
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the kernel tests run Triton interpreted on the CPU
+    rc = main(["bench", "attention", "--device", "cpu", "--backends", "triton", "--batch", "1", "--context", "8"])
+    assert rc == 2  # refused, with the reason, before anything is timed

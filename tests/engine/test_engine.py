@@ -358,13 +358,13 @@ def eos_case(llm):
     """A prompt whose greedy continuation (ignoring EOS) contains EOS, and that continuation."""
     eos = llm.get_tokenizer().eos_token_id
     assert eos == 2
-    prompts = [prompt_of(random.Random(i).randint(3, 12), 1000 + i) for i in range(64)]
+    prompts = [prompt_of(random.Random(i).randint(3, 12), 1000 + i) for i in range(256)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=40, **GREEDY),
                         use_tqdm=False)
     for p, o in zip(prompts, outs):
         if eos in o.outputs[0].token_ids[1:-1]:
             return p, o.outputs[0].token_ids, eos
-    pytest.fail("no greedy continuation of 64 random prompts contains EOS; widen the search")
+    pytest.fail("no greedy continuation of 256 random prompts contains EOS; widen the search")
 
 
 def test_eos_stops_unless_ignore_eos(llm, engine, eos_case):

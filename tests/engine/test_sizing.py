@@ -49,7 +49,7 @@ def test_the_cpu_budget_is_taken_after_the_weights_and_logged(tiny_llama, caplog
     assert info["weight_bytes"] == 4 * sum(p.numel() for p in llm.engine.model.parameters())
     assert "the CPU default of 2 GiB, at most half of the" in info["kv_cache_budget"]
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:"))
-    assert "of float32 on cpu; KV budget" in line and "RAM available after" in line
+    assert "of float32 on cpu; attention backend cpu" in line and "KV budget" in line and "RAM available after" in line
     assert info["total_bytes"] <= sizing.CPU_DEFAULT_KV_BYTES
 
 
@@ -110,3 +110,14 @@ def test_cuda_budget_is_profiled_and_stated(tiny_llama):
     assert " = 0.5 x " in info["kv_cache_budget"] and "activations profiled at 2,048 tokens" in info["kv_cache_budget"]
     total = torch.cuda.mem_get_info()[1]
     assert 0 < info["total_bytes"] <= 0.5 * total - info["weight_bytes"]
+
+
+def test_the_torch_attention_path_reserves_what_it_gathers(tiny_llama):
+    """Decode rows gathered into padded buffers (bounded by the pool) and a cached-prefix chunk's scores: what the
+    portable path needs beside the profile step, so that a full cache does not run the device out of memory."""
+    llm = LLM(tiny_llama, kv_cache_memory="1MiB", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+    shape, config = llm.engine.shape, llm.engine.config
+    per_token_gathered = shape.num_kv_heads * shape.head_dim * 2
+    scores = 2 * shape.num_attention_heads * 32 * 64
+    assert sizing.portable_attention_bytes(config, shape, 64, 2, 10**6) == (4 * 64 * per_token_gathered + scores) * 2
+    assert sizing.portable_attention_bytes(config, shape, 64, 2, 100) == (100 * per_token_gathered + scores) * 2

@@ -96,12 +96,17 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused(tiny_llama, tiny_mo
     """qwen2's tensors into a llama of another shape: the name or shape of the first misfit is reported."""
     loaded = read_checkpoint(tiny_llama)
     loaded.config.intermediate_size = 96
-    with pytest.raises(KeyError, match="gate_proj.weight, .*up_proj.weight have 128 \\+ 128 rows, this model needs 192"):
+    with pytest.raises(KeyError, match="gate_proj.weight, .*up_proj.weight have 128 \\+ 128 rows, this model needs 96 \\+ 96"):
         build_model(loaded, 64)
     mixed = read_checkpoint(tiny_model_dirs["qwen3"])
-    mixed.config = read_checkpoint(tiny_llama).config  # qwen3 has q/k norms and a head_dim of 32
-    with pytest.raises(KeyError):
+    mixed.config = read_checkpoint(tiny_llama).config  # qwen3 has a head_dim of 32: q 128 rows, k and v 64
+    with pytest.raises(KeyError, match="have 128 \\+ 64 \\+ 64 rows, this model needs 64 \\+ 32 \\+ 32"):
         build_model(mixed, 64)
+    split = read_checkpoint(tiny_llama)  # same total as the model's 64 + 32 + 32, another split
+    split.config.num_attention_heads, split.config.num_key_value_heads = 2, 3
+    split.config.head_dim = 16
+    with pytest.raises(KeyError, match="rows, this model needs 32 \\+ 48 \\+ 48"):
+        build_model(split, 64)
 
 
 @pytest.mark.cuda

@@ -390,3 +390,9 @@ def test_plan_and_simulate_commands_run_without_torch():
     assert p.returncode == 0, p.stderr
     plan = json.loads(p.stdout[:p.stdout.index("\n}\n") + 2])
     assert plan["bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64
+
+
+def test_plan_kv_cache_memory_share_is_of_the_gpu(capsys):
+    """As the engine takes it on CUDA: 25% of the named GPU's memory, not of this machine's RAM."""
+    r = run_json(capsys, "plan", "llama-3-8b", "--gpu", "h100-80gb", "--kv-cache-memory", "25%")
+    assert r["kv_budget"] == int(GPU_PRESETS["h100-80gb"] * 0.25)

@@ -1,0 +1,153 @@
+"""`kvcache bench attention`: decode attention alone, B sequences x L context tokens with a model's head shape.
+
+Decode is bound by memory bandwidth: every step reads each sequence's whole K/V. So each backend's time per
+call is turned into the bytes of K/V (and scales) it must read per second, and that into a fraction of the
+device's bandwidth measured in the same run (a large copy). The portable torch path is the baseline the
+kernels are compared with, as a ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import TYPE_CHECKING
+
+from kvcache.bench.throughput import write_json
+
+if TYPE_CHECKING:  # torch loads when the benchmark runs: `kvcache plan` and `simulate` stay torch-free
+    import torch
+
+DEFAULTS = {"cuda": (64, 4096), "cpu": (16, 1024)}  # (sequences, context) sized for each device's memory
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-3-8b", help="preset name, config.json or model directory: the head "
+                   "shape (default Llama-3-8B: 32 query heads, 8 KV heads, head_dim 128)")
+    p.add_argument("--batch", type=int, default=None, help="sequences (default 64 on CUDA, 16 on CPU)")
+    p.add_argument("--context", type=int, default=None, help="tokens of context each (default 4096 on CUDA, 1024 on CPU)")
+    p.add_argument("--kv-cache-dtype", default=None, help="KV storage format, comma-separated for several "
+                   "(default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--backends", default=None, help="comma-separated (default: triton,torch on CUDA; cpu,torch on CPU)")
+    p.add_argument("--seconds", type=float, default=2.0, help="timing budget per backend and format")
+    p.add_argument("--json", default=None, help="write the results here")
+
+
+def _store(shape, kv: str, compute: torch.dtype, batch: int, context: int, block_size: int, device, seed: int):
+    """A one-layer store holding `batch` sequences of `context` random tokens in shuffled blocks; their tables."""
+    import torch
+
+    from kvcache.store.quantized_store import make_store
+    per_seq = -(-context // block_size)
+    store = make_store(1, 1 + batch * per_seq, block_size, shape.num_kv_heads, shape.head_dim, kv, compute, device)
+    order = list(range(1, 1 + batch * per_seq))
+    random.Random(seed).shuffle(order)
+    tables = torch.tensor(order, device=device).view(batch, per_seq)
+    g = torch.Generator(device).manual_seed(seed)
+    for b in range(batch):
+        slots = (tables[b, :, None] * block_size + torch.arange(block_size, device=device)).flatten()[:context]
+        k, v = (torch.randn(context, shape.num_kv_heads, shape.head_dim, generator=g, device=device, dtype=compute)
+                for _ in range(2))
+        store.write(0, slots, k, v)
+    return store, tables
+
+
+def _time(fn, seconds: float, device: torch.device) -> float:
+    """Best seconds per call of fn() over about `seconds` (at least 3 calls after one warm-up)."""
+    import torch
+    fn()
+    best, calls, end = float("inf"), 0, time.perf_counter() + seconds
+    while calls < 3 or time.perf_counter() < end:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best, calls = min(best, time.perf_counter() - t), calls + 1
+    return best
+
+
+def _decode_call(backend: str, store, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float):
+    """One decode-attention call of `backend` over the whole batch, as the engine makes it per layer."""
+    import torch
+
+    from kvcache.attention import cpu_kernel
+    from kvcache.attention.metadata import SeqChunk, build_batch
+    from kvcache.attention.paged import Workspace, paged_attention
+    out = torch.empty_like(q)
+    if backend == "triton":
+        from kvcache.attention import triton_attention
+        return lambda: triton_attention.paged_decode(out, q, store, 0, tables, lens, scale, None)
+    if backend == "cpu":
+        if store.exact:
+            return lambda: cpu_kernel.paged_decode(out, q, store.k[0], store.v[0], tables, lens, scale, None)
+        return lambda: cpu_kernel.paged_decode_quant(out, q, store, 0, tables, lens, scale, None, None)
+    n = int(lens[0])
+    chunks = [SeqChunk([0], n - 1, tables[b].tolist()) for b in range(q.shape[0])]
+    batch = build_batch(chunks, store.block_size, (None,), q.device, read_cache=not store.exact)
+    ws = Workspace()
+    new_kv = torch.zeros(q.shape[0], store.num_kv_heads if hasattr(store, "num_kv_heads") else store.k[0].shape[2],
+                         q.shape[2], dtype=q.dtype, device=q.device)  # this step's K/V: already in the store
+    return lambda: paged_attention(q, new_kv, new_kv, store, 0, batch, scale, None, ws)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcache.attention.backend import resolve_backend
+    from kvcache.bench.roofline import measure_bandwidth_gbs
+    from kvcache.plan.kv_bytes import kv_dtype, layer_bytes_per_token
+    from kvcache.plan.model_source import load_model_shape
+    shape = load_model_shape(args.model)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    batch, context = args.batch or DEFAULTS[device.type][0], args.context or DEFAULTS[device.type][1]
+    if batch < 1 or context < 1:
+        raise ValueError(f"--batch and --context must be positive, got {batch} and {context}")
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    formats = (args.kv_cache_dtype or str(compute).removeprefix("torch.")).split(",")
+    backends = (args.backends or ("triton,torch" if device.type == "cuda" else "cpu,torch")).split(",")
+    bandwidth = measure_bandwidth_gbs(device=device)
+    H, D = shape.num_attention_heads, shape.head_dim
+    rows = []
+    for kv in formats:
+        kv = kv_dtype(kv).name
+        store, tables = _store(shape, kv, compute, batch, context, args.block_size, device, seed=0)
+        q = torch.randn(batch, H, D, device=device, dtype=compute)
+        lens = torch.full((batch,), context, device=device)
+        nbytes = batch * context * layer_bytes_per_token(shape, kv, "full")
+        times = {}
+        for backend in backends:
+            resolve_backend(backend, device, compute, kv, args.block_size)  # refuses what cannot run here
+            times[backend] = _time(_decode_call(backend, store, q, tables, lens, D ** -0.5), args.seconds,
+                                   device)
+        base = times.get("torch")
+        for backend, t in times.items():
+            gbs = nbytes / t / 1e9
+            rows.append({"kv_cache_dtype": kv, "backend": backend, "time_ms": t * 1e3, "gbytes_read": nbytes / 1e9,
+                         "achieved_gbs": gbs, "bandwidth_fraction": gbs / bandwidth,
+                         "speedup_vs_torch": base / t if base else None})
+        del store
+    result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+              "torch": torch.__version__, "model": shape.name, "heads": H, "kv_heads": shape.num_kv_heads, "head_dim": D,
+              "batch": batch, "context": context, "block_size": args.block_size,
+              "compute_dtype": str(compute).removeprefix("torch."), "bandwidth_gbs": bandwidth, "results": rows}
+    _print(result)
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+def _print(r: dict) -> None:
+    print(f"\ndecode attention: {r['batch']} sequences x {r['context']:,} tokens, {r['heads']} heads / {r['kv_heads']} KV "
+          f"heads x {r['head_dim']} ({r['model']}), block {r['block_size']}, {r['compute_dtype']} compute on "
+          f"{r['device']}; measured bandwidth {r['bandwidth_gbs']:.1f} GB/s")
+    head = f"{'KV format':<11}{'backend':<9}{'ms/call':>9}{'GB read':>9}{'GB/s':>9}{'of bandwidth':>14}{'vs torch':>10}"
+    print(head)
+    print("-" * len(head))
+    for x in r["results"]:
+        ratio = f"{x['speedup_vs_torch']:.2f}x" if x["speedup_vs_torch"] else "-"
+        print(f"{x['kv_cache_dtype']:<11}{x['backend']:<9}{x['time_ms']:>9.3f}{x['gbytes_read']:>9.3f}"
+              f"{x['achieved_gbs']:>9.1f}{x['bandwidth_fraction']:>13.0%}{ratio:>10}")

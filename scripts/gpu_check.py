@@ -1,0 +1,135 @@
+"""The GPU check, in one go: `make gpu-check` (or `python3 scripts/gpu_check.py`) on a machine with one NVIDIA GPU and
+torch, triton and transformers installed. It needs no network and installs nothing (wheels in .whl/, gguf say, are
+the caller's to install first); it never imports the server, so fastapi and uvicorn may be absent.
+
+It runs, in about six minutes on an H200:
+1. the cuda-marked tests (parity with transformers on the GPU in float32, bfloat16 and float16 for the tiny models,
+   every KV format on each attention backend with prefix caching, n > 1 and eviction, the Triton kernels, the
+   loading peak and the profiled KV budget);
+2. `kvcache bench attention`: 64 sequences x 4,096 tokens with Llama-3-8B's heads, bfloat16 and fp8, the Triton
+   kernel against the portable torch path, as a fraction of the measured memory bandwidth;
+3. `kvcache bench throughput` on a random-weight model of Llama-3.2-1B's shape in bfloat16 (256 requests, prompts
+   128-1,024 tokens, outputs 64-512, EOS ignored, seed 0) against transformers' best static batch on the same GPU.
+
+It writes gpu_check.json and summary.txt in --out (default results/gpu_check). `--small` runs the same steps on tiny
+sizes, on whatever device is there, to check the plumbing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Llama-3.2-1B (meta-llama/Llama-3.2-1B config.json): the throughput model's shape, with random weights
+LLAMA_32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                   rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=128000,
+                   eos_token_id=128001,
+                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+SMALL = dict(LLAMA_32_1B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2)
+
+
+def run_step(name: str, cmd: list[str], out: str, timeout: int) -> dict:
+    """Run one step as its own process (a crash or a hang is one failed step); its log goes to out/<name>.log."""
+    t = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
+    with open(os.path.join(out, f"{name}.log"), "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    step = {"step": name, "returncode": rc, "seconds": round(time.perf_counter() - t, 1), "command": " ".join(cmd)}
+    print(f"{name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {step['seconds']} s", flush=True)
+    return step
+
+
+def make_model(directory: str, config: dict) -> str:
+    """A random-weight Llama of `config`'s shape in bfloat16, saved with a word-level tokenizer (prompts are ids)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from tiny_models import _write_tokenizer
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    _write_tokenizer(directory, config["vocab_size"])
+    return directory
+
+
+def summarize(out: str, steps: list[dict]) -> dict:
+    """The figures each step's JSON holds, against the issue's targets, as one JSON and a short text."""
+    result: dict = {"steps": steps}
+    attn_path, tp_path = os.path.join(out, "attention.json"), os.path.join(out, "throughput.json")
+    lines = [f"{s['step']}: {'ok' if s['returncode'] == 0 else 'FAILED'} ({s['seconds']} s)" for s in steps]
+    if os.path.isfile(attn_path):
+        attn = json.load(open(attn_path))
+        result["attention"] = attn
+        lines.append(f"decode attention, {attn['batch']} x {attn['context']} on {attn['device_name'] or attn['device']} "
+                     f"({attn['bandwidth_gbs']:.0f} GB/s measured):")
+        for r in attn["results"]:
+            lines.append(f"  {r['kv_cache_dtype']:<9} {r['backend']:<7} {r['time_ms']:8.3f} ms  {r['achieved_gbs']:7.0f} GB/s  "
+                         f"{r['bandwidth_fraction']:4.0%} of bandwidth  {r['speedup_vs_torch'] or 0:5.2f}x torch")
+    if os.path.isfile(tp_path):
+        tp = json.load(open(tp_path))
+        result["throughput"] = tp
+        k = tp["kvcache"]
+        lines.append(f"throughput ({tp['workload']['num_prompts']} requests, {tp['dtype']}): kvcache "
+                     f"{k['output_tokens_per_s']:.0f} out tok/s, {k['roofline_fraction']:.0%} of the "
+                     f"{tp['roofline']['bound']}-bound roofline")
+        if "hf" in tp:
+            lines.append(f"  transformers best static batch (bs={tp['hf']['batch_size']}): "
+                         f"{tp['hf']['output_tokens_per_s']:.0f} out tok/s; speedup {tp['speedup']:.2f}x (target 5x)")
+    result["summary"] = lines
+    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(out, "summary.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_check"))
+    p.add_argument("--small", action="store_true", help="tiny sizes, any device: checks the plumbing only")
+    p.add_argument("--skip", default="", help="comma-separated steps to leave out: tests, attention, throughput")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    py = sys.executable
+    steps = []
+    if "tests" not in skip:
+        os.environ.setdefault("KVCACHE_KERNEL_EXAMPLES", "12")  # each new shape compiles the kernels anew
+        steps.append(run_step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda or triton",
+                                        "tests/models", "tests/engine", "tests/attention"], args.out, 240))
+    if "attention" not in skip:
+        import torch
+        size = ["--batch", "4", "--context", "256", "--seconds", "0.2"] if args.small else ["--batch", "64",
+                                                                                             "--context", "4096"]
+        formats = "bfloat16,fp8_e4m3" if torch.cuda.is_available() else "float32,fp8_e4m3"  # the CPU kernel's
+        steps.append(run_step("attention", [py, "-m", "kvcache.cli", "bench", "attention", *size, "--kv-cache-dtype",
+                                            formats, "--json", os.path.join(args.out, "attention.json")],
+                              args.out, 120))
+    if "throughput" not in skip:
+        model = make_model(os.path.join(args.out, "model"), SMALL if args.small else LLAMA_32_1B)
+        work = (["--num-prompts", "8", "--input-len", "16:64", "--output-len", "4:16", "--hf-batch-sizes", "4,8"]
+                if args.small else ["--num-prompts", "256", "--input-len", "128:1024", "--output-len", "64:512",
+                                    "--hf-batch-sizes", "64,256"])
+        steps.append(run_step("throughput", [py, "-m", "kvcache.cli", "bench", "throughput", "--model", model, *work,
+                                             "--seed", "0", "--baseline", "hf", "--dtype", "bfloat16", "--max-model-len",
+                                             "2048", "--json", os.path.join(args.out, "throughput.json")],
+                              args.out, 300))
+    summarize(args.out, steps)
+    return 0 if all(s["returncode"] == 0 for s in steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
