@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the compute dtype), float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, "
                         "int8, int4, int2 (fp8/int8 with a scale per token and head; int4/int2 KIVI)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="weights: none (as loaded, in --dtype) or int8 (weight-only, one scale per output channel; "
+                        "CPU: a quarter of float32's bytes per decode step)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch", "cpu"],
                    help="auto: triton kernels on CUDA, the C++ decode kernel on CPU, where they can run; torch: the "
                         "portable PyTorch path")
@@ -421,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
                          "device's measured bandwidth, each backend against the portable torch path")
     add_attn_args(ba)
     ba.set_defaults(func=run_attn)
+    from kvcache.bench.kv_cache_on_off import add_args as add_onoff_args, run as run_onoff
+    bo = bsub.add_parser("kv-cache-on-off", help="generate N tokens with the KV cache and with none: time per step, "
+                         "total time and their growth exponents")
+    add_onoff_args(bo)
+    bo.set_defaults(func=run_onoff)
     from kvcache.bench.serve import add_args as add_serve_bench_args, run as run_serve_bench
     bs = bsub.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput")
     add_serve_bench_args(bs)
@@ -433,6 +441,11 @@ def main(argv: list[str] | None = None) -> int:
                           "dtype against the float32 cache")
     add_kvq_args(kq)
     kq.set_defaults(func=run_kvq)
+    from kvcache.eval.weights import add_args as add_w_args, run as run_w
+    kw = evsub.add_parser("weights", help="KL, top-1, perplexity and single-stream decode speed of each weight format "
+                          "and compute dtype against float32")
+    add_w_args(kw)
+    kw.set_defaults(func=run_w)
     from kvcache.eval.eviction import add_args as add_ev_args, run as run_ev
     ke = evsub.add_parser("eviction", help="KL, top-1, perplexity, passkey retrieval, memory and throughput of each "
                           "KV eviction policy and budget against the full cache")

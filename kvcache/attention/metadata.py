@@ -212,7 +212,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         block_ids = torch.tensor(c.block_table[:nb], device=device) if from_cache else None
         prefills.append(PrefillSpan(row, n, ctx, block_ids, pmasks,
                                     torch.tensor(full, device=device) if kb else None, full_start))
-    decodes.sort(key=lambda d: -d[1])
+    if not decode_kernel:  # padded groups gather sequences of similar length together; a kernel needs no order
+        decodes.sort(key=lambda d: -d[1])
     groups: list[DecodeGroup] = []
     i = 0
     while i < len(decodes):
@@ -221,6 +222,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         while j < len(decodes) and (decode_kernel or decodes[j][1] >= _GROUP_FILL * longest):
             j += 1
         members = decodes[i:j]
+        longest = max(m[1] for m in members)  # the first one's, when sorted; a kernel's group is not
         nb = -(-longest // block_size)
         table = [t[:nb] + [0] * (nb - len(t[:nb])) for _, _, t, _, _ in members]
         ctx = torch.tensor([m[1] for m in members], device=device)[:, None]

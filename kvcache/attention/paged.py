@@ -55,25 +55,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
     T, H, D = q.shape
     kvh = k.shape[1]
     gqa = H != kvh
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides (kernels write it)
     src = key_src
     for g in batch.decode_groups:
         table, lens = g.view(layer)
+        # every row a decode (in batch order: a kernel's group is not sorted): the kernel writes `out` directly
+        whole = batch.decode_kernel and g.rows.numel() == T
         if batch.decode_kernel and batch.backend == "triton":
-            o = ws.get("decode_out", (g.rows.numel(), H, D), q)
-            triton_attention().paged_decode(o, q.index_select(0, g.rows), store, layer, table, lens, scale, window)
-            out.index_copy_(0, g.rows, o)
+            o = out if whole else ws.get("decode_out", (g.rows.numel(), H, D), q)
+            triton_attention().paged_decode(o, q.contiguous() if whole else q.index_select(0, g.rows), store, layer,
+                                            table, lens, scale, window)
+            if not whole:
+                out.index_copy_(0, g.rows, o)
             continue
         if batch.decode_kernel:
-            o = ws.get("decode_out", (g.rows.numel(), H, D), q)
+            o = out if whole else ws.get("decode_out", (g.rows.numel(), H, D), q)
+            qg = q.contiguous() if whole else q.index_select(0, g.rows)
             if store.exact:
-                cpu_kernel.paged_decode(o, q.index_select(0, g.rows), store.k[layer], store.v[layer], table,
-                                        lens, scale, window)
+                cpu_kernel.paged_decode(o, qg, store.k[layer], store.v[layer], table, lens, scale, window)
             else:
                 full = (src, *g.full) if g.full is not None else None
-                cpu_kernel.paged_decode_quant(o, q.index_select(0, g.rows), store, layer, table, lens, scale, window,
-                                              full)
-            out.index_copy_(0, g.rows, o)
+                cpu_kernel.paged_decode_quant(o, qg, store, layer, table, lens, scale, window, full)
+            if not whole:
+                out.index_copy_(0, g.rows, o)
             continue
         B, L = g.rows.numel(), g.num_blocks * store.block_size
         mask = g.masks[window]

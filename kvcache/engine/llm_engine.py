@@ -91,7 +91,10 @@ class LLMEngine:
             self._check_eviction(config.eviction)
         self.backend, why = resolve_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
                                             config.block_size)
-        self.model = build_model(loaded, self.max_model_len, self.device, self.dtype)
+        if config.quantization != "none" and self.device.type != "cpu":
+            raise ValueError(f"quantization {config.quantization} runs on the CPU only (its kernel is a CPU one); "
+                             "use --quantization none on CUDA")
+        self.model = build_model(loaded, self.max_model_len, self.device, self.dtype, config.quantization)
         self.budget, self.capacity = kv_capacity(config, self.device, self.model, self.shape, self.kv_dtype,
                                                  self.max_model_len, self.backend)
         # One more physical block than the budget buys: block 0, the null block that pads tables.
@@ -120,8 +123,9 @@ class LLMEngine:
         self.stop = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         c = self.capacity
         log.info("weights: %.2f GiB of %s on %s; attention backend %s (%s); KV budget %s",
-                 self.model.weight_bytes / 2**30, str(self.dtype).removeprefix("torch."), self.device, self.backend, why,
-                 self.budget)
+                 self.model.weight_bytes / 2**30, str(self.dtype).removeprefix("torch.") + (
+                     " with int8 linear layers" if config.quantization == "int8" else ""), self.device, self.backend,
+                 why, self.budget)
         log.info("KV cache (%s): %s blocks x %d tokens = %s tokens, %.2f GiB (%s)%s; maximum concurrency for %s "
                  "tokens per request: %.2fx", self.kv_dtype, f"{c.num_blocks:,}", c.block_size, f"{c.num_tokens:,}",
                  c.total_bytes / 2**30, kv_formula(self.shape, self.kv_dtype),
@@ -544,7 +548,7 @@ class LLMEngine:
         free = kv.num_free_blocks
         return {
             "device": str(self.device), "compute_dtype": str(self.dtype).removeprefix("torch."),
-            "attention_backend": self.backend,
+            "attention_backend": self.backend, "quantization": self.config.quantization,
             "weight_bytes": self.model.weight_bytes, "kv_cache_budget": str(self.budget),
             "block_size": c.block_size, "num_blocks": c.num_blocks, "num_tokens": c.num_tokens,
             "bytes_per_token": c.bytes_per_token, "total_bytes": c.total_bytes, "dtype": self.kv_dtype,

@@ -12,6 +12,9 @@ from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
 
 
+SMALL_STEP_ROWS = 4  # at most this many tokens in a step: decode of a few sequences, bound by the weights' reads
+
+
 class ModelRunner:
     """Owns the model and the KV store; knows nothing of queues or requests."""
 
@@ -20,6 +23,11 @@ class ModelRunner:
         self.model, self.store, self.kv, self.device = model, store, kv, device
         self.backend = backend  # see attention/backend.py
         self.decode_kernel = backend in ("cpu", "triton")
+        # CPU threads for steps of at most SMALL_STEP_ROWS tokens (None: every step uses all of torch's threads).
+        # A server sets it to leave a core to its HTTP frontend: such steps are bound by reading the weights, which
+        # one core less barely slows, while a frontend thread preempting a kernel's thread stalls the whole step.
+        self.small_step_threads: int | None = None
+        self.all_threads = torch.get_num_threads()
         self.kivi = None
         self.captured: list[torch.Tensor] = []
         if store.kivi_group:
@@ -30,6 +38,9 @@ class ModelRunner:
         """Run one step. Returns the sequences that reached their last token, their fp32 logits [n, vocab], and
         the step's chunks (one per scheduled sequence; `self.captured` holds the queries eviction asked for)."""
         self.store.copy_blocks(block_copies)
+        if self.small_step_threads is not None:
+            rows = sum(n for _, n in chunks)
+            torch.set_num_threads(self.small_step_threads if rows <= SMALL_STEP_ROWS else self.all_threads)
         specs, sampled = [], []
         for seq, n in chunks:
             start = seq.num_computed_tokens

@@ -13,11 +13,14 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.attention.paged import Workspace, paged_attention
+from kvcache.models import cpu_kernels
+from kvcache.models.quant_linear import Int8Dense
 from kvcache.models.weights import WeightSource
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+QUANTIZATIONS = ("none", "int8")  # weights: as loaded, or int8 per output channel (quant_linear.py)
 
 
 def layer_windows(cfg: PretrainedConfig) -> list[int | None]:
@@ -73,16 +76,25 @@ class Dense(nn.Module):
 
     def __init__(self, n_in: int, n_out: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = n_in, n_out
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
+    def load_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Copy Hugging Face weight rows [n, in] (output channels start .. start + n) into their columns."""
+        self.weight[:, start:start + rows.shape[0]].copy_(rows.t())
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows `ids` of the Hugging Face layout, [len(ids), in] (a tied embedding's lookups)."""
+        return self.weight.index_select(1, ids).t()
+
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, index: int, window: int | None) -> None:
+    def __init__(self, cfg: PretrainedConfig, index: int, window: int | None, linear: type = Dense) -> None:
         super().__init__()
         self.index, self.window = index, window
         d, hd = cfg.hidden_size, head_dim_of(cfg)
@@ -90,10 +102,10 @@ class DecoderLayer(nn.Module):
         qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         o_bias = cfg.model_type in ("llama", "qwen3") and bool(getattr(cfg, "attention_bias", False))
         mlp_bias = bool(getattr(cfg, "mlp_bias", False))
-        self.qkv = Dense(d, (self.num_heads + 2 * self.num_kv_heads) * hd, qkv_bias)
-        self.o_proj = Dense(self.num_heads * hd, d, o_bias)
-        self.gate_up = Dense(d, 2 * cfg.intermediate_size, mlp_bias)
-        self.down = Dense(cfg.intermediate_size, d, mlp_bias)
+        self.qkv = linear(d, (self.num_heads + 2 * self.num_kv_heads) * hd, qkv_bias)
+        self.o_proj = linear(self.num_heads * hd, d, o_bias)
+        self.gate_up = linear(d, 2 * cfg.intermediate_size, mlp_bias)
+        self.down = linear(cfg.intermediate_size, d, mlp_bias)
         self.input_norm = nn.Parameter(torch.ones(d))
         self.post_norm = nn.Parameter(torch.ones(d))
         self.qk_norm = cfg.model_type == "qwen3"
@@ -102,25 +114,47 @@ class DecoderLayer(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(hd))
         self.eps = cfg.rms_norm_eps
         self.scale = hd ** -0.5
+        self.kernels = None  # the C++ CPU kernels (cpu_kernels.py) when computing in float32 on the CPU
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm of residual + x, residual + x); the sum may be made in place in `residual` (a tensor of this
+        forward's own). The first layer has no residual yet: x is it."""
+        if self.kernels is None:
+            residual = x if residual is None else residual + x
+            return rms_norm(residual, weight, self.eps), residual
+        h = torch.empty_like(x)
+        if residual is None:
+            self.kernels.add_rms_norm(h, x, None, weight, self.eps)
+            return h, x
+        self.kernels.add_rms_norm(h, residual, x, weight, self.eps)
+        return h, residual
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE of x [T, heads, hd]: in place through the C++ kernel (x is a view of this step's q/k/v product), or
+        into a new tensor."""
+        if self.kernels is None:
+            return _rotate(x, cos, sin)
+        self.kernels.rope_(x, cos.squeeze(1), sin.squeeze(1))
+        return x
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x if residual is None else residual + x
-        h = rms_norm(residual, self.input_norm, self.eps)
-        T, hd = h.shape[0], self.head_dim
-        q, k, v = self.qkv(h).split([self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], -1)
-        q, k, v = q.view(T, -1, hd), k.view(T, -1, hd), v.view(T, -1, hd)
+        h, residual = self._add_norm(x, residual, self.input_norm)
+        T, hd, H = h.shape[0], self.head_dim, self.num_heads
+        qkv = self.qkv(h).view(T, -1, hd)  # [T, H + 2 KVH, hd]
+        v = qkv[:, H + self.num_kv_heads:]
         if self.qk_norm:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q = self._rope(rms_norm(qkv[:, :H], self.q_norm, self.eps), cos, sin)
+            k = self._rope(rms_norm(qkv[:, H:H + self.num_kv_heads], self.k_norm, self.eps), cos, sin)
+        else:  # q and k rotated together: half the small ops of a decode step's RoPE
+            qk = self._rope(qkv[:, :H + self.num_kv_heads], cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
         if batch.capture_rows is not None:  # eviction scores these queries after the forward
             batch.captured_q.append(q.index_select(0, batch.capture_rows))
         src = store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
         o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
-        x = self.o_proj(o.view(T, -1))
-        residual = residual + x
-        h = rms_norm(residual, self.post_norm, self.eps)
+        h, residual = self._add_norm(self.o_proj(o.view(T, -1)), residual, self.post_norm)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return self.down(F.silu(gate).mul_(up)), residual
 
@@ -128,28 +162,37 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Decoder stack + LM head; `forward` returns logits only for `batch.logits_indices`."""
 
-    def __init__(self, cfg: PretrainedConfig, max_positions: int) -> None:
+    def __init__(self, cfg: PretrainedConfig, max_positions: int, quantization: str = "none") -> None:
         super().__init__()
         if cfg.model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {cfg.model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
         self.config = cfg
+        self.quantization = quantization
+        linear = Int8Dense if quantization == "int8" else Dense
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         # The head keeps its weight [hidden, vocab] (the layout its GEMM wants); tied embeddings are that same
         # tensor, looked up by column, so they are stored once.
         self.embed = None if self.tied else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         windows = layer_windows(cfg)
         self.windows = tuple(sorted(set(windows), key=lambda w: (w is not None, w or 0)))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, w) for i, w in enumerate(windows))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, w, linear) for i, w in enumerate(windows))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
         self.cos = self.sin = torch.empty(0)
         self.workspace = Workspace()
 
     def init_rope(self, device: str | torch.device = "cpu") -> None:
-        """Build the RoPE cos/sin tables for positions [0, max_positions) (kept in fp32)."""
+        """Build the RoPE cos/sin tables for positions [0, max_positions) (kept in fp32), and pick the fused CPU
+        kernels where they apply (float32 on the CPU)."""
         cos, sin = _rope_tables(self.config, self.max_positions)
         self.cos, self.sin = cos.to(device), sin.to(device)
+        fused = torch.device(device).type == "cpu" and self.norm.dtype == torch.float32
+        kernels = cpu_kernels.load() if fused else None
+        for layer in self.layers:
+            layer.kernels = kernels
 
     @property
     def weight_bytes(self) -> int:
@@ -158,8 +201,15 @@ class LlamaModel(nn.Module):
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
-            return self.lm_head.weight.index_select(1, ids).t().contiguous()
+            return self.lm_head.rows(ids).to(self.norm.dtype).contiguous()
         return self.embed(ids)
+
+    def keep_scales_float32(self) -> LlamaModel:
+        """Undo Module.to(dtype) on the int8 layers' scales: they stay float32 whatever the compute dtype."""
+        for m in self.modules():
+            if isinstance(m, Int8Dense):
+                m.scale.data = m.scale.data.float()
+        return self
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, store: KVStore | QuantizedKVStore) -> torch.Tensor:
@@ -180,17 +230,24 @@ class LlamaModel(nn.Module):
         names = set(source.names())
         used: set[str] = set()
 
-        def put(dst: torch.Tensor, name: str, transpose: bool = False) -> None:
-            """dst <- tensor `name` ([out, in] Hugging Face weights go into [in, out] columns when transposed)."""
+        def expect(name: str, shape: tuple[int, ...]) -> None:
             if name not in names:
                 raise KeyError(f"checkpoint has no tensor {name!r}")
-            want = tuple(dst.shape[::-1]) if transpose else tuple(dst.shape)
-            if source.shape(name) != want:
-                raise KeyError(f"tensor {name!r} has shape {list(source.shape(name))}, this model needs {list(want)}")
+            if source.shape(name) != shape:
+                raise KeyError(f"tensor {name!r} has shape {list(source.shape(name))}, this model needs {list(shape)}")
             used.add(name)
+
+        def put(dst: torch.Tensor, name: str) -> None:
+            """dst <- tensor `name` (an embedding, a norm, a bias), a chunk of rows at a time."""
+            expect(name, tuple(dst.shape))
             for start, rows in source.chunks(name):
-                n = rows.shape[0]
-                (dst[:, start:start + n] if transpose else dst[start:start + n]).copy_(rows.t() if transpose else rows)
+                dst[start:start + rows.shape[0]].copy_(rows)
+
+        def put_linear(dense, name: str, at: int = 0, rows: int | None = None) -> None:
+            """Hugging Face weight `name` ([rows, in]) into output channels at .. at + rows of a Dense/Int8Dense."""
+            expect(name, (rows or dense.out_features, dense.in_features))
+            for start, chunk in source.chunks(name):
+                dense.load_rows(at + start, chunk)
 
         def put_fused(dense: Dense, parts: list[str], bias_parts: list[str] | None, split: list[int]) -> None:
             """Hugging Face's separate projections `parts` ([split[i], in] each), side by side in the columns of one
@@ -204,7 +261,7 @@ class LlamaModel(nn.Module):
                                f"{' + '.join(map(str, split))}")
             at = 0
             for i, (name, n) in enumerate(zip(parts, rows)):
-                put(dense.weight[:, at:at + n], name, transpose=True)
+                put_linear(dense, name, at, n)
                 if bias_parts:
                     put(dense.bias[at:at + n], bias_parts[i])
                 at += n
@@ -212,11 +269,11 @@ class LlamaModel(nn.Module):
         with torch.no_grad():
             if self.tied:
                 head = "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"
-                put(self.lm_head.weight, head, transpose=True)
+                put_linear(self.lm_head, head)
                 used.update({"lm_head.weight", "model.embed_tokens.weight"} & names)
             else:
                 put(self.embed.weight, "model.embed_tokens.weight")
-                put(self.lm_head.weight, "lm_head.weight", transpose=True)
+                put_linear(self.lm_head, "lm_head.weight")
             put(self.norm, "model.norm.weight")
             for i, layer in enumerate(self.layers):
                 a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -224,14 +281,14 @@ class LlamaModel(nn.Module):
                 put_fused(layer.qkv, [a + f"{n}_proj.weight" for n in "qkv"],
                           [a + f"{n}_proj.bias" for n in "qkv"] if layer.qkv.bias is not None else None,
                           [q_rows, kv_rows, kv_rows])
-                put(layer.o_proj.weight, a + "o_proj.weight", transpose=True)
+                put_linear(layer.o_proj, a + "o_proj.weight")
                 if layer.o_proj.bias is not None:
                     put(layer.o_proj.bias, a + "o_proj.bias")
                 mlp_bias = layer.gate_up.bias is not None
-                inter = layer.gate_up.weight.shape[1] // 2
+                inter = layer.gate_up.out_features // 2
                 put_fused(layer.gate_up, [m + "gate_proj.weight", m + "up_proj.weight"],
                           [m + "gate_proj.bias", m + "up_proj.bias"] if mlp_bias else None, [inter, inter])
-                put(layer.down.weight, m + "down_proj.weight", transpose=True)
+                put_linear(layer.down, m + "down_proj.weight")
                 if mlp_bias:
                     put(layer.down.bias, m + "down_proj.bias")
                 put(layer.input_norm, f"model.layers.{i}.input_layernorm.weight")

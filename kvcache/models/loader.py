@@ -97,12 +97,13 @@ def _check_arch(config: PretrainedConfig, path: str) -> None:
 
 
 def build_model(loaded: LoadedModel, max_positions: int, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> LlamaModel:
-    """The model in `dtype` on `device`, its weights copied in from the checkpoint chunk by chunk: the memory it
-    takes on the way is its own size plus one chunk (weights.CHUNK_BYTES)."""
+                dtype: torch.dtype = torch.float32, quantization: str = "none") -> LlamaModel:
+    """The model in `dtype` on `device` (its linear layers' weights int8 with `quantization="int8"`), its weights
+    copied in from the checkpoint chunk by chunk: the memory it takes on the way is its own size plus one chunk
+    (weights.CHUNK_BYTES)."""
     with torch.device("meta"):  # no random init: every weight is overwritten
-        model = LlamaModel(loaded.config, max_positions)
-    model = model.to(dtype).to_empty(device=device).requires_grad_(False)  # inference only: no autograd
+        model = LlamaModel(loaded.config, max_positions, quantization)
+    model = model.to(dtype).keep_scales_float32().to_empty(device=device).requires_grad_(False)  # no autograd
     model.load_weights(loaded.weights)
     model.init_rope(device)
     return model.eval()

@@ -71,6 +71,9 @@ class EngineLoop:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        runner = self.engine.runner
+        if self.engine.device.type == "cpu" and runner.all_threads > 1:  # leave the frontend a core on small steps
+            runner.small_step_threads = runner.all_threads - 1
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:

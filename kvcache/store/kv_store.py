@@ -39,8 +39,8 @@ class KVStore:
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan=None) -> None:
         """Store k, v ([tokens, kv_heads, head_dim]) at the slots `slot_mapping` ([tokens], int64)."""
         kc, vc = self.k[layer], self.v[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k.to(kc.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v.to(vc.dtype))
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k if k.dtype == kc.dtype else k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v if v.dtype == vc.dtype else v.to(vc.dtype))
         return None
 
     def gather(self, layer: int, block_ids: torch.Tensor, out_k: torch.Tensor | None = None,

@@ -152,7 +152,9 @@ def test_the_engine_on_the_triton_backend_matches_the_torch_backend(tiny_model_d
     tri, ref = LLM(path, attention_backend="triton", **kw), LLM(path, attention_backend="torch", **kw)
     assert tri.kv_cache_info()["attention_backend"] == "triton"
     ids = torch.randint(3, 320, (70,), generator=torch.Generator().manual_seed(0)).tolist()
-    torch.testing.assert_close(tri.engine.score(ids, 0, 16), ref.engine.score(ids, 0, 16), atol=1e-4, rtol=0)
+    # float32 attention in another order differs by ~1e-6; an int8 cache can turn that into one code's step
+    atol = 1e-4 if kv == "auto" else 1e-3
+    torch.testing.assert_close(tri.engine.score(ids, 0, 16), ref.engine.score(ids, 0, 16), atol=atol, rtol=0)
     prompts = [ids[:n] for n in (5, 40, 23)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in tri.generate(prompts, params, use_tqdm=False)]

@@ -130,3 +130,20 @@ def test_bench_attention_reports_bandwidth_against_the_torch_path(tmp_path, caps
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the kernel tests run Triton interpreted on the CPU
     rc = main(["bench", "attention", "--device", "cpu", "--backends", "triton", "--batch", "1", "--context", "8"])
     assert rc == 2  # refused, with the reason, before anything is timed
+
+
+@pytest.mark.bench
+def test_bench_kv_cache_on_off_fits_the_growth_of_both(tiny_llama, tmp_path, capsys):
+    out, png = tmp_path / "onoff.json", tmp_path / "onoff.png"
+    rc = main(["bench", "kv-cache-on-off", "--model", tiny_llama, "--max-tokens", "120", "--prompt-len", "8",
+               "--points", "8,30,60,120", "--repeats", "1", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert len(r["cached_step_s"]) == 119 and set(r["uncached_step_s"]) == {"8", "30", "60", "120"}
+    assert r["uncached_same_token"] == "4/4"  # recomputing the whole sequence gives the cached run's tokens
+    # the uncached step grows with the sequence, the cached one (a tiny model: overhead-bound) barely
+    assert r["step_exponent"]["uncached"] > r["step_exponent"]["cached"]
+    assert r["total_exponent"]["uncached"] > r["total_exponent"]["cached"]
+    last = r["at"][-1]
+    assert last["generated"] == 119 and last["speedup"] == pytest.approx(last["uncached_total_s"] / last["cached_total_s"])
+    assert png.stat().st_size > 0 and "speedup" in capsys.readouterr().out
