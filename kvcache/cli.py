@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 
 from kvcache.compress.spec import POLICIES
-from kvcache.config import EngineConfig
+from kvcache.config import WEIGHT_QUANTIZATIONS, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -36,9 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the compute dtype), float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, "
                         "int8, int4, int2 (fp8/int8 with a scale per token and head; int4/int2 KIVI)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
-                   help="weights: none (as loaded, in --dtype) or int8 (weight-only, one scale per output channel; "
-                        "CPU: a quarter of float32's bytes per decode step)")
+    p.add_argument("--quantization", default="none", choices=list(WEIGHT_QUANTIZATIONS),
+                   help="weights: " + "; ".join(f"{k}: {v}" for k, v in WEIGHT_QUANTIZATIONS.items()) +
+                        " (the quantized formats run on the CPU: a quarter, or a sixth, of float32's bytes per step)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch", "cpu"],
                    help="auto: triton kernels on CUDA, the C++ decode kernel on CPU, where they can run; torch: the "
                         "portable PyTorch path")

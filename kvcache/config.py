@@ -50,6 +50,13 @@ def parse_bytes(value: str | int | float, allow_zero: bool = False, of: int | No
     return n
 
 
+# Weight formats of --quantization (models/quant_linear.py); the quantized ones run on the CPU.
+WEIGHT_QUANTIZATIONS = {
+    "none": "as loaded, in the compute dtype",
+    "int8": "weight-only, one scale per output channel",
+    "int4": "4-bit groups of 32 with a scale and minimum (GGUF Q4_1), int8 activations, LM head int8",
+}
+
 @dataclass
 class EngineConfig:
     """Everything an engine is started with. Sizes in tokens unless named otherwise."""
@@ -72,7 +79,7 @@ class EngineConfig:
     # fp8_e5m2, int8, int4, int2 (aliases fp32, fp16, bf16, fp8)
     device: str = "auto"
     attention_backend: str = "auto"  # auto, triton (CUDA), torch (portable), cpu (the C++ decode kernel)
-    quantization: str = "none"  # weights: none (as loaded, in the compute dtype) or int8 (per output channel, CPU)
+    quantization: str = "none"  # weights: one of WEIGHT_QUANTIZATIONS
     seed: int = 0
     kv_eviction: str = "none"  # token eviction: none, streaming, h2o, snapkv, tova, pyramidkv, random
     kv_budget: int | float | str | None = None  # KV tokens a request keeps (512) or a ratio of its prompt (0.25)
@@ -114,8 +121,9 @@ class EngineConfig:
         EvictionSpec(self.kv_eviction, self.kv_budget)  # raises on a bad policy or budget
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8 (weight-only, per output channel); got "
+        if self.quantization not in WEIGHT_QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(WEIGHT_QUANTIZATIONS)} ("
+                             f"{'; '.join(f'{k}: {v}' for k, v in WEIGHT_QUANTIZATIONS.items())}); got "
                              f"{self.quantization!r}")
         if self.attention_backend not in ("auto", "triton", "torch", "cpu"):
             raise ValueError(f"attention_backend must be one of auto, triton, torch, cpu; got {self.attention_backend!r}")

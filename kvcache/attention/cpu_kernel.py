@@ -11,9 +11,10 @@ copy torch already loaded, so no second runtime competes for the cores.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from kvcache import native
 
 log = logging.getLogger(__name__)
 
@@ -287,16 +288,8 @@ def load() -> object | None:
     if _tried:
         return _module
     _tried = True
-    if os.environ.get("KVCACHE_CPU_KERNEL", "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-        _module = load_inline("kvcache_cpu_attention", cpp_sources=[_SOURCE], functions=["paged_decode", "paged_decode_quant"],
-                              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                              extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers: the portable path still works
-        log.warning("CPU attention kernel unavailable (%s); using the portable PyTorch path", str(e).splitlines()[0])
-        _module = None
+    _module = native.build("kvcache_cpu_attention", _SOURCE, ["paged_decode", "paged_decode_quant"], ["-ffast-math"],
+                           "using the portable PyTorch path")
     return _module
 
 

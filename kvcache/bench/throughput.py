@@ -15,10 +15,12 @@ import json
 import os
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import fields
 
 import psutil
 
+from kvcache.bench.step_profile import print_table as print_profile, profiling
 from kvcache.bench.workload import Workload, parse_range, random_workload
 from kvcache.config import EngineConfig
 
@@ -74,6 +76,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-sizes", default="8,16,32", help="static batch sizes to try for transformers; "
                    "the best one is the baseline")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--profile", action="store_true", help="random workload: split each step's time into kernels, "
+                   "the rest of the forward and the rest of the step, by kind of step (CPU)")
     p.add_argument("--workload", default="random", choices=["random", "shared-prefix", "multi-turn"],
                    help="random: against transformers; shared-prefix / multi-turn: prefix caching off vs hash vs radix")
     p.add_argument("--prefix-caching-modes", default="off,hash,radix", help="shared-prefix / multi-turn: modes to run")
@@ -98,9 +102,10 @@ def run_kvcache(args: argparse.Namespace, work: Workload, device: str) -> dict:
     with PeakMemory(device) as rss:
         llm = LLM(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
         params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in work.output_lens]
-        t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=True)
-        elapsed = time.perf_counter() - t
+        with profiling(llm.engine) if args.profile else nullcontext() as prof:
+            t = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=True)
+            elapsed = time.perf_counter() - t
     got = [len(o.outputs[0].token_ids) for o in outs]
     if got != work.output_lens:
         raise RuntimeError("kvcache produced output lengths other than requested")
@@ -111,6 +116,8 @@ def run_kvcache(args: argparse.Namespace, work: Workload, device: str) -> dict:
     res["kv_cache_bytes"] = info["total_bytes"]
     res["weight_bytes"] = info["weight_bytes"]
     res["kv_bytes_per_token"] = info["bytes_per_token"]
+    if prof is not None:
+        res["profile"] = prof.table()
     del llm, outs
     gc.collect()
     return res
@@ -204,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
     if "hf" in results:
         results["hf"]["roofline_fraction"] = min_time / results["hf"]["elapsed_s"]
     _print_table(results)
+    if "profile" in results["kvcache"]:
+        print_profile(results["kvcache"]["profile"])
     if args.json:
         write_json(args.json, results)
     return 0

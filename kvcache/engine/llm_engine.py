@@ -124,7 +124,7 @@ class LLMEngine:
         c = self.capacity
         log.info("weights: %.2f GiB of %s on %s; attention backend %s (%s); KV budget %s",
                  self.model.weight_bytes / 2**30, str(self.dtype).removeprefix("torch.") + (
-                     " with int8 linear layers" if config.quantization == "int8" else ""), self.device, self.backend,
+                     f" with {config.quantization} linear layers" if config.quantization != "none" else ""), self.device, self.backend,
                  why, self.budget)
         log.info("KV cache (%s): %s blocks x %d tokens = %s tokens, %.2f GiB (%s)%s; maximum concurrency for %s "
                  "tokens per request: %.2fx", self.kv_dtype, f"{c.num_blocks:,}", c.block_size, f"{c.num_tokens:,}",

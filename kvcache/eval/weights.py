@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from kvcache.config import WEIGHT_QUANTIZATIONS
 from kvcache.eval.kv_quality import _fmt, evaluate_quality, ppl_delta_pct
 
 BASELINE = "none:float32"
@@ -19,8 +20,9 @@ BASELINE = "none:float32"
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face model directory or GGUF file (default: SmolLM2-135M demo)")
-    p.add_argument("--variants", default="int8,none:bfloat16,int8:bfloat16",
-                   help="comma-separated QUANTIZATION[:DTYPE] (quantization none or int8, dtype float32 by default)")
+    p.add_argument("--variants", default="int8,int4,none:bfloat16,int8:bfloat16",
+                   help="comma-separated QUANTIZATION[:DTYPE] (quantization none, int8 or int4, dtype float32 by "
+                        "default)")
     p.add_argument("--num-docs", type=int, default=4, help="corpus documents to score")
     p.add_argument("--context-len", type=int, default=1024, help="tokens of each document scored")
     p.add_argument("--warmup", type=int, default=16, help="first positions not scored")
@@ -35,8 +37,9 @@ def _variants(spec: str) -> list[tuple[str, str]]:
     out = []
     for v in filter(None, spec.split(",")):
         quant, _, dtype = v.partition(":")
-        if quant not in ("none", "int8") or dtype not in ("", "float32", "bfloat16", "float16"):
-            raise ValueError(f"--variants entries are QUANTIZATION[:DTYPE] with quantization none or int8 and dtype "
+        if quant not in WEIGHT_QUANTIZATIONS or dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--variants entries are QUANTIZATION[:DTYPE] with quantization "
+                             f"{', '.join(WEIGHT_QUANTIZATIONS)} and dtype "
                              f"float32, bfloat16 or float16; got {v!r}")
         out.append((quant, dtype or "float32"))
     if not out:

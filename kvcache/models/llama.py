@@ -12,15 +12,17 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvcache.attention.metadata import ForwardBatch
+from kvcache.config import WEIGHT_QUANTIZATIONS
 from kvcache.attention.paged import Workspace, paged_attention
 from kvcache.models import cpu_kernels
-from kvcache.models.quant_linear import Int8Dense
+from kvcache.models.quant_linear import Int4Dense, Int8Dense
 from kvcache.models.weights import WeightSource
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-QUANTIZATIONS = ("none", "int8")  # weights: as loaded, or int8 per output channel (quant_linear.py)
+# Weights: as loaded; int8 per output channel; or 4-bit groups of 32 (Q4_1) with the LM head in int8 (quant_linear.py)
+QUANTIZATIONS = tuple(WEIGHT_QUANTIZATIONS)
 
 
 def layer_windows(cfg: PretrainedConfig) -> list[int | None]:
@@ -33,6 +35,17 @@ def layer_windows(cfg: PretrainedConfig) -> list[int | None]:
     if cfg.model_type == "mistral":
         return [window] * n
     return [None] * n
+
+
+def check_int4_shapes(cfg: PretrainedConfig) -> None:
+    """int4's kernel packs 64 inputs at a time: every linear layer's input size must be a multiple of 64."""
+    d, hd = cfg.hidden_size, head_dim_of(cfg)
+    sizes = {"hidden_size": d, "num_attention_heads x head_dim": cfg.num_attention_heads * hd,
+             "intermediate_size": cfg.intermediate_size}
+    bad = [f"{k} {v}" for k, v in sizes.items() if v % 64]
+    if bad:
+        raise ValueError(f"quantization int4 needs layer input sizes that are multiples of 64; this model has "
+                         f"{', '.join(bad)}: use --quantization int8 or none")
 
 
 def head_dim_of(cfg: PretrainedConfig) -> int:
@@ -115,6 +128,7 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.scale = hd ** -0.5
         self.kernels = None  # the C++ CPU kernels (cpu_kernels.py) when computing in float32 on the CPU
+        self.fused: list[list[torch.Tensor]] | None = None  # the linears' tensors for the fused decode path
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,8 +152,18 @@ class DecoderLayer(nn.Module):
         self.kernels.rope_(x, cos.squeeze(1), sin.squeeze(1))
         return x
 
+    def fuse(self, kernels) -> None:
+        """Hand the C++ kernels this layer's weights for decode-sized steps (float32 on the CPU; int4 needs VNNI)."""
+        self.kernels = kernels
+        linears = (self.qkv, self.o_proj, self.gate_up, self.down)
+        usable = kernels is not None and not self.qk_norm and all(
+            not isinstance(m, Int4Dense) or cpu_kernels.has_int4() for m in linears)
+        self.fused = [_kernel_tensors(m) for m in linears] if usable else None
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None and x.shape[0] <= FUSED_MAX_ROWS and batch.capture_rows is None:
+            return self._forward_fused(x, residual, cos, sin, batch, store, ws)
         h, residual = self._add_norm(x, residual, self.input_norm)
         T, hd, H = h.shape[0], self.head_dim, self.num_heads
         qkv = self.qkv(h).view(T, -1, hd)  # [T, H + 2 KVH, hd]
@@ -159,6 +183,39 @@ class DecoderLayer(nn.Module):
         return self.down(F.silu(gate).mul_(up)), residual
 
 
+    def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                       batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() for a decode-sized step in three native calls around attention (the same arithmetic)."""
+        T, hd, H, KVH = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        w_qkv, w_o, w_gate_up, w_down = self.fused
+        qkv = torch.empty(T, (H + 2 * KVH) * hd)
+        if residual is None:
+            residual, x = x, None
+        self.kernels.attn_in(qkv, residual, x, self.input_norm, self.eps, w_qkv, cos, sin, H + KVH, hd)
+        qkv = qkv.view(T, -1, hd)
+        q, k, v = qkv[:, :H], qkv[:, H:H + KVH], qkv[:, H + KVH:]
+        src = store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
+        o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
+        out = torch.empty(T, residual.shape[1])
+        self.kernels.mlp(out, residual, o.view(T, -1), w_o, self.post_norm, self.eps, w_gate_up, w_down)
+        return out, residual
+
+
+FUSED_MAX_ROWS = 32  # steps of at most this many tokens take the fused path (the quantized kernels' range)
+
+
+def _kernel_tensors(m: nn.Module) -> list[torch.Tensor]:
+    """A linear layer as cpu_kernels' fused calls take it (see linear_into there)."""
+    if isinstance(m, Int4Dense):
+        ts = [m.qweight, m.scale, m.minimum]
+    elif isinstance(m, Int8Dense):
+        ts = [m.weight, m.scale]
+    else:
+        ts = [m.weight]
+    return [t.detach() for t in ts] + ([m.bias.detach()] if m.bias is not None else [])
+
+
 class LlamaModel(nn.Module):
     """Decoder stack + LM head; `forward` returns logits only for `batch.logits_indices`."""
 
@@ -170,7 +227,9 @@ class LlamaModel(nn.Module):
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
         self.config = cfg
         self.quantization = quantization
-        linear = Int8Dense if quantization == "int8" else Dense
+        linear = {"none": Dense, "int8": Int8Dense, "int4": Int4Dense}[quantization]
+        if quantization == "int4":
+            check_int4_shapes(cfg)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         # The head keeps its weight [hidden, vocab] (the layout its GEMM wants); tied embeddings are that same
         # tensor, looked up by column, so they are stored once.
@@ -179,7 +238,8 @@ class LlamaModel(nn.Module):
         self.windows = tuple(sorted(set(windows), key=lambda w: (w is not None, w or 0)))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, w, linear) for i, w in enumerate(windows))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # The head (and a tied embedding) stays int8 under int4: llama.cpp's GGUFs keep it at 8 bits too (Q8_0/Q6_K).
+        self.lm_head = (Int8Dense if quantization == "int4" else linear)(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
         self.cos = self.sin = torch.empty(0)
         self.workspace = Workspace()
@@ -192,7 +252,7 @@ class LlamaModel(nn.Module):
         fused = torch.device(device).type == "cpu" and self.norm.dtype == torch.float32
         kernels = cpu_kernels.load() if fused else None
         for layer in self.layers:
-            layer.kernels = kernels
+            layer.fuse(kernels)
 
     @property
     def weight_bytes(self) -> int:
@@ -205,10 +265,13 @@ class LlamaModel(nn.Module):
         return self.embed(ids)
 
     def keep_scales_float32(self) -> LlamaModel:
-        """Undo Module.to(dtype) on the int8 layers' scales: they stay float32 whatever the compute dtype."""
+        """Undo Module.to(dtype) on the quantized layers' scales: int8's stay float32 and int4's float16 (their
+        storage format), whatever the compute dtype."""
         for m in self.modules():
             if isinstance(m, Int8Dense):
                 m.scale.data = m.scale.data.float()
+            elif isinstance(m, Int4Dense):
+                m.scale.data, m.minimum.data = m.scale.data.half(), m.minimum.data.half()
         return self
 
     @torch.inference_mode()

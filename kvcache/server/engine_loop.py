@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -48,6 +49,17 @@ class _Add:
     accepted: asyncio.Future
 
 
+def small_step_threads(all_threads: int) -> int:
+    """CPU threads for a server's small steps (ModelRunner.SMALL_STEP_ROWS): one core is left to the HTTP frontend
+    unless KVCACHE_SMALL_STEP_THREADS says otherwise (a count; 0: every thread)."""
+    env = os.environ.get("KVCACHE_SMALL_STEP_THREADS")
+    if env is None:
+        return all_threads - 1
+    if not env.isdigit():
+        raise ValueError(f"KVCACHE_SMALL_STEP_THREADS must be a number of threads (0: all); got {env!r}")
+    return min(int(env), all_threads) or all_threads
+
+
 class EngineLoop:
     """Runs `engine.step()` in a thread while requests are unfinished; sleeps on the command queue otherwise."""
 
@@ -73,7 +85,7 @@ class EngineLoop:
     def start(self) -> None:
         runner = self.engine.runner
         if self.engine.device.type == "cpu" and runner.all_threads > 1:  # leave the frontend a core on small steps
-            runner.small_step_threads = runner.all_threads - 1
+            runner.small_step_threads = small_step_threads(runner.all_threads)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -1,6 +1,7 @@
-"""Weight-only int8 linear layers (--quantization int8): the kernel against the dequantized float reference at every
-row count it serves and past it, the quantization itself, and the whole model against its own dequantized float
-twin (exactly what it computes) and against transformers (within int8's rounding)."""
+"""Quantized linear layers: weight-only int8 (--quantization int8) and 4-bit weights with int8 activations
+(--quantization int4). Each kernel against its exact reference (the dequantized weights; for int4 also the
+activations as the kernel quantizes them) at every row count it serves and past it, the quantization itself, and the
+whole model against its own dequantized float twin and against transformers (within the rounding)."""
 from __future__ import annotations
 
 import pytest
@@ -11,12 +12,14 @@ from kvcache import LLM, SamplingParams
 from kvcache.config import EngineConfig
 from kvcache.models.llama import Dense
 from kvcache.models.loader import build_model, read_checkpoint
-from kvcache.models.cpu_kernels import load
-from kvcache.models.quant_linear import KERNEL_MAX_ROWS, Int8Dense, quantize_rows
+from kvcache.models.cpu_kernels import has_int4, load
+from kvcache.models.quant_linear import (KERNEL_MAX_ROWS, Int4Dense, Int8Dense, pack_int4, quantize_activations,
+                                         quantize_groups, quantize_rows, unpack_int4)
 
 
 def test_the_kernel_compiles_here():
     assert load() is not None  # else every int8 layer falls back to dequantizing per call (still correct, slow)
+    assert has_int4()  # this machine has AVX512-VNNI; where one has not, int4 dequantizes per call
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 13, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 70])
@@ -86,5 +89,102 @@ def test_the_engine_runs_int8_with_its_features(tiny_model_dirs):
 
 
 def test_bad_quantization_is_refused_before_loading():
-    with pytest.raises(ValueError, match="quantization must be none or int8"):
-        EngineConfig(model="/nonexistent", quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4 .*got 'q4_k'"):
+        EngineConfig(model="/nonexistent", quantization="q4_k")
+
+
+def test_int4_is_refused_for_a_model_whose_layers_it_cannot_pack(tiny_model_dirs):
+    loaded = read_checkpoint(tiny_model_dirs["llama"])
+    loaded.config.intermediate_size = 100  # not a multiple of the kernel's 64
+    with pytest.raises(ValueError, match="int4 needs layer input sizes that are multiples of 64; this model has "
+                                         "intermediate_size 100: use --quantization int8 or none"):
+        build_model(loaded, 128, quantization="int4")
+
+
+# ---- int4 ----
+
+def _int4_layer(k: int, n: int, seed: int, bias: bool = True) -> tuple[Int4Dense, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    layer = Int4Dense(k, n, bias=bias)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    w[1, :32] = 0.5  # a constant group: d = 0, codes 0, dequantized exactly
+    with torch.no_grad():
+        layer.load_rows(0, w[:n // 2])  # in two chunks, as a checkpoint loads
+        layer.load_rows(n // 2, w[n // 2:])
+        if bias:
+            layer.bias.copy_(torch.randn(n, generator=g))
+    return layer, w
+
+
+def test_int4_quantization_is_q4_1_and_packs_losslessly():
+    w = torch.randn(6, 128) * 3
+    codes, d, m = quantize_groups(w)
+    assert codes.dtype == torch.uint8 and int(codes.max()) == 15 and int(codes.min()) == 0
+    assert d.dtype == m.dtype == torch.float16 and d.shape == m.shape == (6, 4)
+    deq = codes.float().reshape(6, 4, 32) * d.float()[..., None] + m.float()[..., None]
+    assert ((deq.reshape(6, 128) - w).abs() <= d.float().repeat_interleave(32, 1) / 2 + 2e-3).all()
+    assert torch.equal(unpack_int4(pack_int4(codes)), codes)
+    again = quantize_groups(deq.reshape(6, 128))  # Q4_1 weights re-quantized give back their own codes
+    assert torch.equal(again[0], codes) and torch.equal(again[1], d) and torch.equal(again[2], m)
+
+
+def test_int4_activations_round_per_group_of_32():
+    x = torch.randn(3, 64)
+    x[1, 32:] = 0  # an all-zero group
+    q, scale = quantize_activations(x)
+    assert q.abs().max() == 127 and not q[1, 32:].any() and scale[1, 1] == 0
+    err = (q.reshape(3, 2, 32) * scale[..., None] - x.reshape(3, 2, 32)).abs()
+    assert (err <= scale[..., None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1])
+@pytest.mark.parametrize("k,n", [(64, 48), (576, 37), (1088, 20)])  # 37, 20: output rows not a multiple of 4;
+def test_int4_kernel_computes_its_quantized_product(rows, k, n):  # 576, 1088: 18 and 34 groups (partial 16s)
+    layer, w = _int4_layer(k, n, rows + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows), dtype=torch.float64).float()
+    out = layer(x)
+    wd = layer.dequantized().double()
+    if rows <= KERNEL_MAX_ROWS:  # the kernel: quantized activations, integer group sums
+        q, scale = quantize_activations(x)
+        xq = (q.reshape(rows, -1, 32).double() * scale.double()[..., None]).reshape(rows, k)
+        ref = xq @ wd.t() + layer.bias.double()
+        torch.testing.assert_close(out.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
+    exact = x.double() @ wd.t() + layer.bias.double()  # float activations: within int8's rounding of them
+    assert (out.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+
+
+def test_int4_without_the_kernel_matches_it(monkeypatch):
+    layer, _ = _int4_layer(128, 16, 3)
+    x = torch.randn(2, 128)
+    with_kernel = layer(x)
+    import kvcache.models.quant_linear as ql
+    monkeypatch.setattr(ql, "_kernel", lambda x, fmt: None)  # a CPU without VNNI: dequantized float GEMM
+    assert (layer(x) - with_kernel).abs().max() <= 0.02 * with_kernel.abs().max()
+
+
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+def test_the_int4_model_is_its_dequantized_twin_and_near_transformers(tiny_model_dirs, arch):
+    path = tiny_model_dirs[arch]
+    loaded = read_checkpoint(path)
+    if any(v % 64 for v in (loaded.config.hidden_size, loaded.config.intermediate_size)):
+        with pytest.raises(ValueError, match="multiples of 64"):
+            build_model(loaded, 128, quantization="int4")
+        return
+    q = build_model(loaded, 128, quantization="int4")
+    assert isinstance(q.layers[0].qkv, Int4Dense) and isinstance(q.lm_head, Int8Dense)
+    twin = build_model(loaded, 128)
+    with torch.no_grad():
+        for mod, tmod in zip(q.modules(), twin.modules()):
+            if isinstance(mod, Int4Dense):
+                tmod.weight.copy_(mod.dequantized().t())
+        twin.lm_head.weight.copy_((q.lm_head.weight.float() * q.lm_head.scale[:, None]).t())  # int8 head
+    ids = list(range(3, 60))
+    from test_half_precision import kv_logits
+    got, same = kv_logits(q, ids, 7), kv_logits(twin, ids, 7)
+    # the twin has the same weights; the kernel also rounds the activations (int8 per group of 32)
+    assert (got - same).abs().max().item() < 0.02 * same.abs().max().item()
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([ids])).logits[0]
+    assert (got - ref).abs().max().item() < 0.25 * ref.abs().max().item()  # 4 bits of a random model's weights
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.6
