@@ -29,12 +29,19 @@ class StepProfile:
         self._kind = "prefill/mixed"
 
     def timed(self, fn, slot: str):
+        """fn, adding its wall time to `slot`; a timed call inside another of the same slot is not counted twice."""
+        depth = f"{slot}_depth"
+
         def wrapper(*a, **k):
+            if getattr(self, depth, 0):
+                return fn(*a, **k)
+            setattr(self, depth, 1)
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
                 setattr(self, slot, getattr(self, slot) + time.perf_counter() - t)
+                setattr(self, depth, 0)
         return wrapper
 
     def step(self, fn):
@@ -82,9 +89,11 @@ class _TimedKernels:
 @contextmanager
 def profiling(engine):
     """Time `engine`'s steps while the block runs; yields the StepProfile."""
+    from kvcache.attention import cpu_kernel
     from kvcache.models import llama
     from kvcache.models.quant_linear import Int4Dense, Int8Dense
     prof = StepProfile()
+    saved_decode = cpu_kernel.paged_decode
     saved = [(cls, cls.forward) for cls in (llama.Dense, Int8Dense, Int4Dense)]
     saved_attention = llama.paged_attention
     layers = engine.runner.model.layers
@@ -94,6 +103,7 @@ def profiling(engine):
         for cls, fwd in saved:
             cls.forward = prof.timed(fwd, "_kernel")
         llama.paged_attention = prof.timed(saved_attention, "_kernel")
+        cpu_kernel.paged_decode = prof.timed(saved_decode, "_kernel")  # the fused path calls it directly
         for layer in layers:
             if layer.kernels is not None:
                 layer.kernels = _TimedKernels(layer.kernels, prof)
@@ -106,6 +116,7 @@ def profiling(engine):
         for cls, fwd in saved:
             cls.forward = fwd
         llama.paged_attention = saved_attention
+        cpu_kernel.paged_decode = saved_decode
         for layer, k in zip(layers, saved_kernels):
             layer.kernels = k
         for name in ("_forward", "run_chunk", "execute"):

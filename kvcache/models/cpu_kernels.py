@@ -23,6 +23,7 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <vector>
+#include <cstring>
 
 // R activation rows against one int8 weight row: the weights are widened once per 16 and used R times.
 template <int R>
@@ -253,13 +254,27 @@ static int64_t out_features(const std::vector<torch::Tensor>& L) {
 }
 
 // qkv [T, (H + 2 KVH) * D] = (RMSNorm of residual += x) W_qkv, with RoPE applied to its first rope_heads heads.
-// x undefined: the first layer, whose residual is its input.
+// x undefined: the first layer, whose residual is its input. With k_cache/v_cache (a float32 KVStore layer,
+// [blocks, block_size, KVH, D]) and slots, the step's k and v rows are then stored at their slots.
 void attn_in(torch::Tensor qkv, torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor norm, double eps,
-             std::vector<torch::Tensor> w_qkv, torch::Tensor cos, torch::Tensor sin, int64_t rope_heads, int64_t head_dim) {
+             std::vector<torch::Tensor> w_qkv, torch::Tensor cos, torch::Tensor sin, int64_t rope_heads, int64_t head_dim,
+             c10::optional<torch::Tensor> k_cache, c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slots) {
   auto h = torch::empty_like(residual);
   add_rms_norm(h, residual, x, norm, eps);
   linear_into(w_qkv, h, qkv);
   rope_(qkv.view({qkv.size(0), -1, head_dim}).narrow(1, 0, rope_heads), cos, sin);
+  if (!k_cache.has_value()) return;
+  const int64_t T = qkv.size(0), row = qkv.size(1), kv = k_cache->size(2) * head_dim, H = rope_heads * head_dim - kv;
+  const int64_t cap = k_cache->size(0) * k_cache->size(1);
+  const float* src = qkv.data_ptr<float>();
+  float* kp = k_cache->data_ptr<float>();
+  float* vp = v_cache->data_ptr<float>();
+  const int64_t* sp = slots->data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < cap, "attn_in: slot ", sp[t], " outside the cache's ", cap);
+    std::memcpy(kp + sp[t] * kv, src + t * row + H, kv * sizeof(float));
+    std::memcpy(vp + sp[t] * kv, src + t * row + H + kv, kv * sizeof(float));
+  }
 }
 
 // out [T, hidden] = down(silu(gate) * up) of RMSNorm(residual += o_proj(attn)), gate/up fused as [gate | up].

@@ -43,6 +43,11 @@ class KVStore:
         vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v if v.dtype == vc.dtype else v.to(vc.dtype))
         return None
 
+    def native_write(self, layer: int, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K cache, V cache, slots) for a native kernel that stores this step's k, v itself, as `write` would (the
+        fused CPU decode path: cpu_kernels.attn_in). Every K/V write goes through `write` or this."""
+        return self.k[layer], self.v[layer], slot_mapping
+
     def gather(self, layer: int, block_ids: torch.Tensor, out_k: torch.Tensor | None = None,
                out_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `block_ids` ([N]) in the compute dtype, [N, block_size, kv_heads, head_dim] each. An exact

@@ -147,3 +147,25 @@ def test_bench_kv_cache_on_off_fits_the_growth_of_both(tiny_llama, tmp_path, cap
     last = r["at"][-1]
     assert last["generated"] == 119 and last["speedup"] == pytest.approx(last["uncached_total_s"] / last["cached_total_s"])
     assert png.stat().st_size > 0 and "speedup" in capsys.readouterr().out
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_bench_throughput_profile_splits_each_kind_of_step(tiny_llama, tmp_path, capsys, quant):
+    from kvcache.attention import cpu_kernel
+    from kvcache.models import llama
+    real = (llama.Dense.forward, llama.paged_attention, cpu_kernel.paged_decode)
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "throughput", "--model", tiny_llama, "--num-prompts", "5", "--input-len", "8:40",
+               "--output-len", "4:12", "--seed", "2", "--kv-cache-memory", "4MiB", "--device", "cpu",
+               "--quantization", quant, "--profile", "--json", str(out)])
+    assert rc == 0
+    prof = json.loads(out.read_text())["kvcache"]["profile"]
+    assert "prefill/mixed" in prof and any(k.startswith("decode ") for k in prof)
+    work = random_workload(5, (8, 40), (4, 12), 320, 2, {0, 1, 2})
+    assert sum(r["steps"] for r in prof.values()) >= max(work.output_lens)
+    for r in prof.values():
+        assert r["kernels"] + r["forward_other"] + r["outside_forward"] == pytest.approx(1)
+        assert 0 < r["kernels"] < 1 and r["forward_other"] >= 0 and r["outside_forward"] > 0
+    assert "where the time goes" in capsys.readouterr().out
+    assert (llama.Dense.forward, llama.paged_attention, cpu_kernel.paged_decode) == real  # timers removed after

@@ -464,7 +464,7 @@ def _spy_shared_writes(eng) -> list:
         write = store.write
         store._violations, store._writes = [], 0
 
-        def checked(layer, slot_mapping, k, v, plan=None):
+        def check(slot_mapping, plan=None):
             store._writes += 1
             refs = eng.kv.pool.ref_counts
             blocks = [slot // store.block_size for slot in slot_mapping.tolist()]
@@ -473,9 +473,20 @@ def _spy_shared_writes(eng) -> list:
             for block in blocks:
                 if refs[block] != 1:
                     store._violations.append((block, refs[block]))
+
+        def checked(layer, slot_mapping, k, v, plan=None):
+            check(slot_mapping, plan)
             return write(layer, slot_mapping, k, v, plan)
 
         store.write = checked
+        if hasattr(store, "native_write"):  # the fused CPU decode path's kernel writes where this says
+            native = store.native_write
+
+            def checked_native(layer, slot_mapping):
+                check(slot_mapping)
+                return native(layer, slot_mapping)
+
+            store.native_write = checked_native
     return store._violations
 
 
