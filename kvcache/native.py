@@ -3,10 +3,24 @@
 HTTP thread then runs during the engine's kernels instead of waiting for Python's switch interval (5 ms)."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 
 log = logging.getLogger(__name__)
+
+
+def cpu_tag() -> str:
+    """A short tag of this CPU's instruction sets: the builds use -march=native, so a build cached by another CPU (a
+    shared home or volume) must not be loaded here, where it could stop on an illegal instruction."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags += platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
 def build(name: str, source: str, functions: list[str], flags: list[str], what: str):
@@ -17,7 +31,7 @@ def build(name: str, source: str, functions: list[str], flags: list[str], what: 
     binds = "\n".join(f'  m.def("{f}", &{f}, py::call_guard<py::gil_scoped_release>());' for f in functions)
     try:
         from torch.utils.cpp_extension import load_inline
-        return load_inline(name, cpp_sources=[source + f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}\n}}\n"],
+        return load_inline(f"{name}_{cpu_tag()}", cpp_sources=[source + f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}\n}}\n"],
                            extra_cflags=["-O3", "-march=native", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
                            verbose=False)
     except Exception as e:  # no compiler, no headers, no AVX-512

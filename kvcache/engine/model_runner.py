@@ -38,9 +38,6 @@ class ModelRunner:
         """Run one step. Returns the sequences that reached their last token, their fp32 logits [n, vocab], and
         the step's chunks (one per scheduled sequence; `self.captured` holds the queries eviction asked for)."""
         self.store.copy_blocks(block_copies)
-        if self.small_step_threads is not None:
-            rows = sum(n for _, n in chunks)
-            torch.set_num_threads(self.small_step_threads if rows <= SMALL_STEP_ROWS else self.all_threads)
         specs, sampled = [], []
         for seq, n in chunks:
             start = seq.num_computed_tokens
@@ -60,6 +57,9 @@ class ModelRunner:
         batch = build_batch(specs, self.store.block_size, self.model.windows, self.device, self.decode_kernel,
                             read_cache=not self.store.exact, kivi=self.kivi)
         batch.backend = self.backend
+        if self.small_step_threads is not None:  # every forward (steps, scoring chunks) sets its own thread count
+            rows = batch.num_tokens
+            torch.set_num_threads(self.small_step_threads if rows <= SMALL_STEP_ROWS else self.all_threads)
         if logit_rows is not None:
             batch.logits_indices = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         self.captured = batch.captured_q  # per layer [rows, H, D], in chunk order (eviction scoring)

@@ -45,6 +45,8 @@ static inline void dot_rows(const float* x, int64_t K, const int8_t* w, float* o
 // out [M, N] fp32 = (x [M, K] fp32) (w [N, K] int8)^T * scale [N]; output channels split across torch's threads.
 void int8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Tensor scale) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous() && w.size(1) == K && scale.numel() == N &&
+              out.size(0) == M && out.size(1) == N, "int8_linear: bad shapes or strides");
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -190,6 +192,8 @@ void int4_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, tor
 void add_rms_norm(torch::Tensor out, torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor w,
                   double eps) {
   const int64_t T = residual.size(0), D = residual.size(1);
+  TORCH_CHECK(residual.is_contiguous() && out.is_contiguous() && out.sizes() == residual.sizes() && w.numel() == D &&
+              (!x.has_value() || (x->is_contiguous() && x->sizes() == residual.sizes())), "add_rms_norm: bad shapes");
   float* rp = residual.data_ptr<float>();
   const float* xp = x.has_value() ? x->data_ptr<float>() : nullptr;
   const float* wp = w.data_ptr<float>();
@@ -217,6 +221,9 @@ void add_rms_norm(torch::Tensor out, torch::Tensor residual, c10::optional<torch
 // x [T, heads, D] (any row stride, heads contiguous by D): x = x * cos + rotate_half(x) * sin, cos/sin [T, D].
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const int64_t T = x.size(0), Hn = x.size(1), D = x.size(2), half = D / 2, stride = x.stride(0);
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.numel() == T * D && sin.numel() == T * D, "rope_: x must be [T, heads, D] with heads packed by D "
+              "and cos/sin [T, D]");
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -266,6 +273,9 @@ void attn_in(torch::Tensor qkv, torch::Tensor residual, c10::optional<torch::Ten
   if (!k_cache.has_value()) return;
   const int64_t T = qkv.size(0), row = qkv.size(1), kv = k_cache->size(2) * head_dim, H = rope_heads * head_dim - kv;
   const int64_t cap = k_cache->size(0) * k_cache->size(1);
+  TORCH_CHECK(k_cache->is_contiguous() && v_cache->is_contiguous() && v_cache->sizes() == k_cache->sizes() &&
+              k_cache->size(3) == head_dim && slots->numel() == T && slots->scalar_type() == at::kLong &&
+              row == (rope_heads + k_cache->size(2)) * head_dim, "attn_in: bad cache, slots or qkv shapes");
   const float* src = qkv.data_ptr<float>();
   float* kp = k_cache->data_ptr<float>();
   float* vp = v_cache->data_ptr<float>();

@@ -40,11 +40,28 @@ def _as_f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
 
 
+DEQUANT_BLOCK_ELEMS = 1 << 22  # weights dequantized at a time by the float fallback (16 MiB of float32)
+
+
+def _blocked_matmul(x: torch.Tensor, weight: torch.Tensor, dequantize) -> torch.Tensor:
+    """x [M, K] float32 times the dequantized weight [N, K]^T, a block of output rows at a time: the float copy a
+    large layer (an LM head) needs is bounded by DEQUANT_BLOCK_ELEMS, not the whole matrix."""
+    n, k = weight.shape[0], x.shape[1]
+    step = max(1, DEQUANT_BLOCK_ELEMS // k)
+    if step >= n:
+        return x @ dequantize(weight, slice(None)).t()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    for s in range(0, n, step):
+        rows = slice(s, min(n, s + step))
+        torch.matmul(x, dequantize(weight[rows], rows).t(), out=out[:, rows])
+    return out
+
+
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Int8 codes and float32 scales of weight rows [n, K] (one per output channel: amax / 127, at least fp16's
+    """Int8 codes and float32 scales of weight rows [n, K] (one per output channel: amax / 127, at least float32's
     smallest normal so that an all-zero row stays 0), rounding half to even."""
     r = rows.float()
-    scale = (r.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float16).tiny)
+    scale = (r.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
     return (r / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
@@ -64,7 +81,7 @@ class Int8Dense(nn.Module):
             out = torch.empty(x.shape[0], self.out_features)
             kernel.int8_linear(out, _as_f32(x), self.weight, self.scale)
         else:
-            out = x.float() @ (self.weight.float() * self.scale[:, None]).t()
+            out = _blocked_matmul(x.float(), self.weight, lambda w, rows: w.float() * self.scale[rows, None])
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype)
@@ -78,6 +95,10 @@ class Int8Dense(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized weight rows `ids` [len(ids), in] in float32 (a tied embedding's lookups)."""
         return self.weight.index_select(0, ids).float() * self.scale.index_select(0, ids)[:, None]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] the codes stand for."""
+        return self.weight.float() * self.scale[:, None]
 
 
 GROUP = 32  # int4 weights per (scale, minimum) pair along the input dimension, as GGUF's Q4_0/Q4_1
@@ -123,6 +144,13 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, k), amax / 127
 
 
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] in float32 as the int4 kernel sees it: rounded to int8 per group of 32 and scaled back."""
+    q, scale = quantize_activations(x)
+    m, k = x.shape
+    return (q.reshape(m, k // GROUP, GROUP) * scale[..., None]).reshape(m, k)
+
+
 class Int4Dense(nn.Module):
     """y = x W^T + b with W in 4-bit groups (Q4_1): qweight [out, in/2] uint8 (pack_int4's order), scale and minimum
     [out, in/32] float16. Needs in % 64 == 0 (refused at construction otherwise)."""
@@ -139,17 +167,21 @@ class Int4Dense(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the codes stand for."""
-        n, k = self.out_features, self.in_features
-        codes = unpack_int4(self.qweight).float().reshape(n, k // GROUP, GROUP)
-        return (codes * self.scale.float()[..., None] + self.minimum.float()[..., None]).reshape(n, k)
+        return self._dequantize(self.qweight, slice(None))
+
+    def _dequantize(self, packed: torch.Tensor, rows: slice) -> torch.Tensor:
+        n, k = packed.shape[0], self.in_features
+        codes = unpack_int4(packed).float().reshape(n, k // GROUP, GROUP)
+        return (codes * self.scale[rows].float()[..., None] + self.minimum[rows].float()[..., None]).reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = _kernel(x, "int4")
         if kernel is not None:
             out = torch.empty(x.shape[0], self.out_features)
             kernel.int4_linear(out, _as_f32(x), self.qweight, self.scale, self.minimum)
-        else:  # prefill-sized batches (and CPUs without VNNI): float32 GEMM on the dequantized weight
-            out = x.float() @ self.dequantized().t()
+        else:  # prefill-sized batches (and CPUs without VNNI): float32 GEMM on the dequantized weight, with the
+            # activations rounded as the kernel rounds them, so that every batch size computes the same thing
+            out = _blocked_matmul(fake_quantize_activations(x), self.qweight, lambda q, rows: self._dequantize(q, rows))
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from collections.abc import Callable
 
+import torch
+
 from kvcache.compress.spec import EvictionSpec
 from kvcache.engine.llm_engine import EngineDeadError, LLMEngine, RequestOutput
 from kvcache.engine.sampling_params import SamplingParams
@@ -92,6 +94,10 @@ class EngineLoop:
         self._stopping = True
         self._commands.put(("stop",))
         self._thread.join(timeout)
+        runner = self.engine.runner
+        if runner.small_step_threads is not None and not self._thread.is_alive():  # the engine used directly again
+            runner.small_step_threads = None
+            torch.set_num_threads(runner.all_threads)
 
     @property
     def alive(self) -> bool:

@@ -44,7 +44,7 @@ def test_quantization_is_per_output_channel_and_bounded():
     w[3] = 0
     codes, scale = quantize_rows(w)
     assert codes.dtype == torch.int8 and codes.abs().max() == 127
-    assert torch.equal(scale, (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float16).tiny))
+    assert torch.equal(scale, (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny))
     err = (codes.float() * scale[:, None] - w).abs()
     assert (err <= scale[:, None] / 2 + 1e-7).all()  # half a step per channel, at most
     assert not codes[3].any()
@@ -144,11 +144,11 @@ def test_int4_kernel_computes_its_quantized_product(rows, k, n):  # 576, 1088: 1
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows), dtype=torch.float64).float()
     out = layer(x)
     wd = layer.dequantized().double()
-    if rows <= KERNEL_MAX_ROWS:  # the kernel: quantized activations, integer group sums
-        q, scale = quantize_activations(x)
-        xq = (q.reshape(rows, -1, 32).double() * scale.double()[..., None]).reshape(rows, k)
-        ref = xq @ wd.t() + layer.bias.double()
-        torch.testing.assert_close(out.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
+    # the kernel (up to KERNEL_MAX_ROWS) and the float fallback past it: the same quantized activations
+    q, scale = quantize_activations(x)
+    xq = (q.reshape(rows, -1, 32).double() * scale.double()[..., None]).reshape(rows, k)
+    ref = xq @ wd.t() + layer.bias.double()
+    torch.testing.assert_close(out.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
     exact = x.double() @ wd.t() + layer.bias.double()  # float activations: within int8's rounding of them
     assert (out.double() - exact).abs().max() <= 0.02 * exact.abs().max()
     assert out.dtype == torch.float32 and out.shape == (rows, n)
@@ -160,7 +160,20 @@ def test_int4_without_the_kernel_matches_it(monkeypatch):
     with_kernel = layer(x)
     import kvcache.models.quant_linear as ql
     monkeypatch.setattr(ql, "_kernel", lambda x, fmt: None)  # a CPU without VNNI: dequantized float GEMM
-    assert (layer(x) - with_kernel).abs().max() <= 0.02 * with_kernel.abs().max()
+    monkeypatch.setattr(ql, "DEQUANT_BLOCK_ELEMS", 128 * 5)  # and a layer dequantized 5 rows at a time
+    torch.testing.assert_close(layer(x), with_kernel, atol=1e-5 * with_kernel.abs().max().item(), rtol=1e-5)
+
+
+def test_int8_float_fallback_dequantizes_in_blocks(monkeypatch):
+    import kvcache.models.quant_linear as ql
+    layer = Int8Dense(64, 50, bias=False)
+    with torch.no_grad():
+        layer.load_rows(0, torch.randn(50, 64))
+    x = torch.randn(KERNEL_MAX_ROWS + 3, 64)
+    whole = layer(x)
+    monkeypatch.setattr(ql, "DEQUANT_BLOCK_ELEMS", 64 * 7)  # 7 rows a block, the last one short
+    torch.testing.assert_close(layer(x), whole)
+    torch.testing.assert_close(whole, x @ layer.dequantized().t(), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", list(TINY_ARCHS))
