@@ -22,6 +22,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <math.h>
+#include <cmath>
 #include <vector>
 #include <cstring>
 
@@ -84,7 +85,8 @@ static void quantize_activation(const float* x, int64_t K, int8_t* qa, float* da
   for (int64_t g = 0; g < K / 32; ++g) {
     const float* v = x + g * 32;
     __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(v)), a1 = _mm512_abs_ps(_mm512_loadu_ps(v + 16));
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    if (!std::isfinite(_mm512_reduce_add_ps(_mm512_add_ps(a0, a1)))) amax = NAN;  // NaN/inf rows stay non-finite
     const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
     const __m512 vi = _mm512_set1_ps(inv);
     __m512i q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v), vi), _MM_FROUND_TO_NEAREST_INT));

@@ -201,3 +201,12 @@ def test_the_int4_model_is_its_dequantized_twin_and_near_transformers(tiny_model
         ref = hf_model(path)(torch.tensor([ids])).logits[0]
     assert (got - ref).abs().max().item() < 0.25 * ref.abs().max().item()  # 4 bits of a random model's weights
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.6
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_int4_kernel_keeps_a_non_finite_activation_non_finite(bad):
+    layer, _ = _int4_layer(128, 8, 5)
+    x = torch.randn(3, 128)
+    x[1, 70] = bad  # the engine fails a request whose logits are not finite: the kernel must not round this away
+    out = layer(x)
+    assert not out[1].isfinite().any() and out[[0, 2]].isfinite().all()
