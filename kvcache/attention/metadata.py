@@ -85,7 +85,6 @@ class ForwardBatch:
     capture_rows: torch.Tensor | None = None  # rows whose post-RoPE queries each layer appends to captured_q
     captured_q: list[torch.Tensor] = field(default_factory=list)
     backend: str = "cpu"  # whose kernels decode_kernel means, and (triton) who attends cached prefills
-    direct_decode: bool = False  # the model's fused CPU path stores K/V and calls the decode kernel itself
 
     @property
     def num_tokens(self) -> int:

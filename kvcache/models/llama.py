@@ -11,12 +11,11 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kvcache.attention import cpu_kernel
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.config import WEIGHT_QUANTIZATIONS
 from kvcache.attention.paged import Workspace, paged_attention
 from kvcache.models import cpu_kernels
-from kvcache.models.quant_linear import Int4Dense, Int8Dense
+from kvcache.models.quant_linear import INT4_UNIT, Int4Dense, Int8Dense
 from kvcache.models.weights import WeightSource
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
@@ -39,14 +38,14 @@ def layer_windows(cfg: PretrainedConfig) -> list[int | None]:
 
 
 def check_int4_shapes(cfg: PretrainedConfig) -> None:
-    """int4's kernel packs 64 inputs at a time: every linear layer's input size must be a multiple of 64."""
+    """int4's kernel packs INT4_UNIT (64) inputs at a time: every linear layer's input size must be a multiple."""
     d, hd = cfg.hidden_size, head_dim_of(cfg)
     sizes = {"hidden_size": d, "num_attention_heads x head_dim": cfg.num_attention_heads * hd,
              "intermediate_size": cfg.intermediate_size}
-    bad = [f"{k} {v}" for k, v in sizes.items() if v % 64]
+    bad = [f"{k} {v}" for k, v in sizes.items() if v % INT4_UNIT]
     if bad:
-        raise ValueError(f"quantization int4 needs layer input sizes that are multiples of 64; this model has "
-                         f"{', '.join(bad)}: use --quantization int8 or none")
+        raise ValueError(f"quantization int4 needs layer input sizes that are multiples of {INT4_UNIT}; this model "
+                         f"has {', '.join(bad)}: use --quantization int8 or none")
 
 
 def head_dim_of(cfg: PretrainedConfig) -> int:
@@ -193,29 +192,22 @@ class DecoderLayer(nn.Module):
         qkv = torch.empty(T, (H + 2 * KVH) * hd)
         if residual is None:
             residual, x = x, None
-        direct = batch.direct_decode  # set by LlamaModel.forward: a float32 store and every row a decode
-        cache = store.native_write(self.index, batch.slot_mapping) if direct else (None, None, None)
+        native = _native_write(store)  # a float32 store: attn_in stores K/V itself
+        cache = store.native_write(self.index, batch.slot_mapping) if native else (None, None, None)
         self.kernels.attn_in(qkv, residual, x, self.input_norm, self.eps, w_qkv, cos, sin, H + KVH, hd, *cache)
         qkv = qkv.view(T, -1, hd)
         q, k, v = qkv[:, :H], qkv[:, H:H + KVH], qkv[:, H + KVH:]
-        if direct:  # K/V are stored; the decode kernel straight away (what paged_attention would call)
-            o = torch.empty(T, H, hd)
-            table, lens = batch.decode_groups[0].view(self.index)
-            cpu_kernel.paged_decode(o, q.contiguous(), cache[0], cache[1], table, lens, self.scale, self.window)
-        else:
-            src = store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
-            o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
+        src = None if native else store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
+        o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
         out = torch.empty(T, residual.shape[1])
         self.kernels.mlp(out, residual, o.view(T, -1), w_o, self.post_norm, self.eps, w_gate_up, w_down)
         return out, residual
 
 
-def _direct_decode(batch: ForwardBatch, store: KVStore | QuantizedKVStore, T: int) -> bool:
-    """Whether the fused path may store K/V itself and call the C++ decode kernel directly: every row a decode in one
-    kernel group, on the CPU backend, over a float32 KVStore."""
-    return (batch.decode_kernel and batch.backend == "cpu" and not batch.prefills and batch.kivi is None
-            and len(batch.decode_groups) == 1 and batch.decode_groups[0].rows.numel() == T
-            and isinstance(store, KVStore) and store.k[0].dtype == torch.float32)
+def _native_write(store: KVStore | QuantizedKVStore) -> bool:
+    """Whether the fused path's attn_in may store K/V itself (KVStore.native_write): a float32 KVStore (the quantized
+    and KIVI stores encode on write, and a narrower float store converts)."""
+    return isinstance(store, KVStore) and store.k[0].dtype == torch.float32
 
 
 FUSED_MAX_ROWS = 32  # steps of at most this many tokens take the fused path (the quantized kernels' range)
@@ -242,7 +234,6 @@ class LlamaModel(nn.Module):
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
         self.config = cfg
-        self.quantization = quantization
         linear = {"none": Dense, "int8": Int8Dense, "int4": Int4Dense}[quantization]
         if quantization == "int4":
             check_int4_shapes(cfg)
@@ -282,7 +273,7 @@ class LlamaModel(nn.Module):
             return self.lm_head.rows(ids).to(self.norm.dtype).contiguous()
         return self.embed(ids)
 
-    def keep_scales_float32(self) -> LlamaModel:
+    def keep_scale_dtypes(self) -> LlamaModel:
         """Undo Module.to(dtype) on the quantized layers' scales: int8's stay float32 and int4's float16 (their
         storage format), whatever the compute dtype."""
         for m in self.modules():
@@ -297,7 +288,6 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         cos = self.cos.index_select(0, batch.positions).unsqueeze(1).to(x.dtype)
         sin = self.sin.index_select(0, batch.positions).unsqueeze(1).to(x.dtype)
-        batch.direct_decode = _direct_decode(batch, store, x.shape[0])
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch, store, self.workspace)

@@ -103,7 +103,7 @@ def build_model(loaded: LoadedModel, max_positions: int, device: str | torch.dev
     (weights.CHUNK_BYTES)."""
     with torch.device("meta"):  # no random init: every weight is overwritten
         model = LlamaModel(loaded.config, max_positions, quantization)
-    model = model.to(dtype).keep_scales_float32().to_empty(device=device).requires_grad_(False)  # no autograd
+    model = model.to(dtype).keep_scale_dtypes().to_empty(device=device).requires_grad_(False)  # no autograd
     model.load_weights(loaded.weights)
     model.init_rope(device)
     return model.eval()
