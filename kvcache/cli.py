@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -163,8 +164,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         engine.add_request(rid, prompt, params, stream=True, add_special_tokens=False)
         shown = ""
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
+            for outs in engine.steps():
+                for out in outs:
                     full = out.outputs[0].text
                     if out.error:
                         print(f" [error: {out.error}]", end="")
@@ -372,6 +373,16 @@ def _make_llm(args: argparse.Namespace):
     return LLM(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
 
 
+def _command(sub, name: str, help: str, module: str, engine_args: bool = False) -> None:
+    """Subcommand `name` whose flags and runner are `module`'s add_args and run (with the engine's flags first)."""
+    mod = importlib.import_module(module)
+    p = sub.add_parser(name, help=help)
+    if engine_args:
+        add_engine_args(p)
+    mod.add_args(p)
+    p.set_defaults(func=mod.run)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "httpx"):
@@ -407,50 +418,26 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_args(sv)
     sv.set_defaults(func=cmd_serve)
 
-    tp = sub.add_parser("top", help="live view of a server's KV cache figures, with warnings")
-    from kvcache.server.top import add_args as add_top_args, run as run_top
-    add_top_args(tp)
-    tp.set_defaults(func=run_top)
+    _command(sub, "top", "live view of a server's KV cache figures, with warnings", "kvcache.server.top")
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from kvcache.bench.throughput import add_args as add_tp_args, run as run_tp
-    t = bsub.add_parser("throughput", help="offline throughput against a Hugging Face transformers baseline")
-    add_engine_args(t)
-    add_tp_args(t)
-    t.set_defaults(func=run_tp)
-    from kvcache.bench.attention import add_args as add_attn_args, run as run_attn
-    ba = bsub.add_parser("attention", help="decode attention alone: time per call, GB/s and the fraction of the "
-                         "device's measured bandwidth, each backend against the portable torch path")
-    add_attn_args(ba)
-    ba.set_defaults(func=run_attn)
-    from kvcache.bench.kv_cache_on_off import add_args as add_onoff_args, run as run_onoff
-    bo = bsub.add_parser("kv-cache-on-off", help="generate N tokens with the KV cache and with none: time per step, "
-                         "total time and their growth exponents")
-    add_onoff_args(bo)
-    bo.set_defaults(func=run_onoff)
-    from kvcache.bench.serve import add_args as add_serve_bench_args, run as run_serve_bench
-    bs = bsub.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput")
-    add_serve_bench_args(bs)
-    bs.set_defaults(func=run_serve_bench)
+    _command(bsub, "throughput", "offline throughput against a Hugging Face transformers baseline",
+             "kvcache.bench.throughput", engine_args=True)
+    _command(bsub, "attention", "decode attention alone: time per call, GB/s and the fraction of the device's "
+             "measured bandwidth, each backend against the portable torch path", "kvcache.bench.attention")
+    _command(bsub, "kv-cache-on-off", "generate N tokens with the KV cache and with none: time per step, total time "
+             "and their growth exponents", "kvcache.bench.kv_cache_on_off")
+    _command(bsub, "serve", "load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput", "kvcache.bench.serve")
 
     ev = sub.add_parser("eval", help="quality evaluations")
     evsub = ev.add_subparsers(dest="eval", required=True)
-    from kvcache.eval.kv_quality import add_args as add_kvq_args, run as run_kvq
-    kq = evsub.add_parser("kv-quality", help="KL, top-1, perplexity, passkey retrieval and capacity of each KV cache "
-                          "dtype against the float32 cache")
-    add_kvq_args(kq)
-    kq.set_defaults(func=run_kvq)
-    from kvcache.eval.weights import add_args as add_w_args, run as run_w
-    kw = evsub.add_parser("weights", help="KL, top-1, perplexity and single-stream decode speed of each weight format "
-                          "and compute dtype against float32")
-    add_w_args(kw)
-    kw.set_defaults(func=run_w)
-    from kvcache.eval.eviction import add_args as add_ev_args, run as run_ev
-    ke = evsub.add_parser("eviction", help="KL, top-1, perplexity, passkey retrieval, memory and throughput of each "
-                          "KV eviction policy and budget against the full cache")
-    add_ev_args(ke)
-    ke.set_defaults(func=run_ev)
+    _command(evsub, "kv-quality", "KL, top-1, perplexity, passkey retrieval and capacity of each KV cache dtype "
+             "against the float32 cache", "kvcache.eval.kv_quality")
+    _command(evsub, "weights", "KL, top-1, perplexity and single-stream decode speed of each weight format and "
+             "compute dtype against float32", "kvcache.eval.weights")
+    _command(evsub, "eviction", "KL, top-1, perplexity, passkey retrieval, memory and throughput of each KV eviction "
+             "policy and budget against the full cache", "kvcache.eval.eviction")
 
     args = parser.parse_args(argv)
     try:

@@ -48,11 +48,7 @@ def _run_batch(engine, prompts: list[list[int]], output_len: int) -> tuple[list[
     ids = [f"r{next(_counter)}" for _ in prompts]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = engine.run_to_completion()
     outs = [done[r] for r in ids]
     return ([o.outputs[0].token_ids for o in outs],
             [o.metrics.first_token_time - o.metrics.arrival_time for o in outs])

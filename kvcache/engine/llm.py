@@ -104,8 +104,8 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         t0, n_in, n_out = time.perf_counter(), 0, 0
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
+            for outs in engine.steps():
+                for out in outs:
                     if out.finished:
                         done[out.request_id] = out
                         n_in += len(out.prompt_token_ids)

@@ -12,6 +12,7 @@ import itertools
 import logging
 import numbers
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -270,6 +271,15 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def steps(self) -> Iterator[list[RequestOutput]]:
+        """Each step's outputs until no request is unfinished: the loop every driver of the engine runs."""
+        while self.has_unfinished_requests():
+            yield self.step()
+
+    def run_to_completion(self) -> dict[str, RequestOutput]:
+        """Step until every request has finished; their final outputs by request id."""
+        return {o.request_id: o for outs in self.steps() for o in outs if o.finished}
 
     def num_unfinished_requests(self) -> int:
         return len(self.requests)

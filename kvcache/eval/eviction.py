@@ -238,8 +238,7 @@ def measure_throughput(engine, prompts: list[list[int]], max_tokens: int, spec: 
     sched = engine.scheduler
     peak = 0
     t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in engine.steps():
         peak = max(peak, sum(s.num_computed_tokens >= s.num_prompt_tokens for s in sched.running))
     wall = time.perf_counter() - t0
     engine.check_no_leaks()

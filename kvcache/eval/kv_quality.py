@@ -203,13 +203,9 @@ def greedy_outputs(engine, prompts: list[list[int]], max_tokens: int) -> list:
     ids = [f"greedy-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
+    done = engine.run_to_completion()
     engine.check_no_leaks()
-    return [done[rid] for rid in ids]
+    return [done[rid].outputs[0] for rid in ids]
 
 
 def passkey_trials(tokenizer, depths: list[float], per_depth: int, length: int, prompt: str = "chat",

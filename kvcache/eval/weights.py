@@ -54,10 +54,7 @@ def decode_speed(engine, prompt_len: int, tokens: int) -> float:
     engine.add_request("decode-speed", prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     engine.step()  # the prefill
     t = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
+    steps = sum(1 for _ in engine.steps())
     return steps / (time.perf_counter() - t)
 
 
