@@ -85,6 +85,7 @@ def main() -> int:
     p.add_argument("--json", default="results/vs_llama_cpp.json")
     args = p.parse_args()
     sys.path.insert(0, ROOT)
+    from kvcache.bench.throughput import write_json
     from kvcache.models.loader import demo_model_path
     model = args.model or demo_model_path()
     workloads = args.workloads.split(",")
@@ -119,9 +120,7 @@ def main() -> int:
         a, b = r["llama.cpp"]["output_throughput"], r["kvcache"]["output_throughput"]
         r["ratio"] = b / a
         print(f"{w:<15}{a:>21.1f}{b:>19.1f}{r['ratio']:>7.2f}x")
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json(args.json, results)
     return 0
 
 

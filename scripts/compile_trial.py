@@ -11,7 +11,6 @@ engine does not use it; this script is how to check again on another machine or 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -46,6 +45,7 @@ def main() -> int:
     import torch
 
     from kvcache import LLM
+    from kvcache.bench.throughput import write_json
     if args.threads:
         torch.set_num_threads(args.threads)
     layers = LLM().engine.runner.model.layers
@@ -77,10 +77,7 @@ def main() -> int:
         print(f"{rows:>5}{r['eager_ms']:>10.1f}{r['compiled_ms']:>13.1f}{r['fused_ms']:>14.1f}{r['compile_s']:>11.1f}"
               f"{r['eager_ms'] / r['compiled_ms']:>15.2f}x")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, results)
     return 0
 
 
