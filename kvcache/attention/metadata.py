@@ -30,6 +30,7 @@ class SeqChunk:
     pos_offset: int = 0
     capture: range = range(0)  # chunk offsets whose queries the batch keeps (eviction scoring)
     layer_start: list[int] | None = None  # per layer, block-aligned first live slot (PyramidKV)
+    seq_id: int | None = None  # the KVCacheManager's id of the table (the runner reads its device copy)
 
 
 @dataclass(slots=True)
@@ -161,7 +162,8 @@ class _KiviBuilder:
 
 def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | None, ...] = (None,),
                 device: str | torch.device = "cpu", decode_kernel: bool = False, read_cache: bool = False,
-                kivi: KiviLayout | None = None) -> ForwardBatch:
+                kivi: KiviLayout | None = None, tables: torch.Tensor | None = None,
+                table_rows: list[int] | None = None) -> ForwardBatch:
     """Flatten `chunks` into a ForwardBatch.
 
     Chunks of one token on a non-empty cache are decode rows. For the padded torch path they
@@ -170,17 +172,22 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
     With `read_cache` (a lossy store) every prefill chunk attends to what the cache holds, not to its
     fresh K/V, so that a token's output does not depend on how its prompt was chunked.
     With `kivi` the batch also carries the KIVI key plan and the full-precision key positions.
+    With `tables`, the device copy of the block tables (DeviceBlockTables.table, synced for these chunks) and
+    `table_rows`, each chunk's row in it, block tables are read on the device instead of copied from the
+    chunks' lists. The step's integer inputs go to the device in one copy (device_tables.upload).
     """
+    from kvcache.memory.device_tables import upload
+
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
     logit_rows: list[int] = []
-    decodes: list[tuple[int, int, list[int], list[int], list[int] | None]] = []  # (row, context_len, table,
-    # full src rows, layer starts)
+    # (row, context_len, table, full src rows, layer starts, row in `tables`)
+    decodes: list[tuple[int, int, list[int], list[int], list[int] | None, int | None]] = []
     capture: list[int] = []
-    prefills: list[PrefillSpan] = []
+    pre: list[tuple[SeqChunk, int, int, list[int], int | None]] = []  # (chunk, row, context_len, full, table row)
     kb = _KiviBuilder(kivi, block_size, sum(len(c.token_ids) for c in chunks)) if kivi else None
-    for c in chunks:
+    for i, c in enumerate(chunks):
         row, n = len(ids), len(c.token_ids)
         ids.extend(c.token_ids)
         p = range(c.start, c.start + n)
@@ -189,13 +196,75 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         slots.extend(c.block_table[i // block_size] * block_size + i % block_size for i in p)
         if c.needs_logits:
             logit_rows.append(row + n - 1)
-        ctx = c.start + n
         full = kb.add(c, row) if kb else []
+        t_row = table_rows[i] if tables is not None else None
         if n == 1 and c.start > 0:
-            decodes.append((row, ctx, c.block_table, full, c.layer_start))
-            continue
+            decodes.append((row, c.start + n, c.block_table, full, c.layer_start, t_row))
+        else:
+            pre.append((c, row, c.start + n, full, t_row))
+    if not decode_kernel:  # padded groups gather sequences of similar length together; a kernel needs no order
+        decodes.sort(key=lambda d: -d[1])
+    members_of: list[list] = []
+    i = 0
+    while i < len(decodes):
+        j = i + 1
+        while j < len(decodes) and (decode_kernel or decodes[j][1] >= _GROUP_FILL * decodes[i][1]):
+            j += 1
+        members_of.append(decodes[i:j])
+        i = j
+
+    # Every integer list of the step, in one upload; then the tensors are views of it.
+    parts: list[list[int]] = [ids, pos, slots, logit_rows, capture]
+    for members in members_of:
+        nb = -(-max(m[1] for m in members) // block_size)
+        parts.append([m[0] for m in members])
+        parts.append([m[1] for m in members])
+        if tables is not None:
+            parts.append([m[5] for m in members])
+        else:
+            parts.append([b for m in members for b in m[2][:nb] + [0] * (nb - len(m[2][:nb]))])
+        if kb and decode_kernel:
+            width = max(len(m[3]) for m in members)
+            parts.append([r for m in members for r in m[3] + [0] * (width - len(m[3]))])
+            parts.append([m[1] - len(m[3]) for m in members])
+        elif kb:
+            parts.append([b for b, m in enumerate(members) for _ in m[3]])
+            parts.append([m[1] - len(m[3]) + k for m in members for k in range(len(m[3]))])
+            parts.append([r for m in members for r in m[3]])
+    for c, _, ctx, full, t_row in pre:
+        from_cache = c.start > 0 or read_cache
+        parts.append(c.block_table[:-(-ctx // block_size)] if from_cache and tables is None else [])
+        parts.append(full)
+    up = iter(upload(parts, device))
+    input_ids, positions, slot_mapping, logits_indices, capture_rows = (next(up) for _ in range(5))
+
+    groups: list[DecodeGroup] = []
+    for members in members_of:
+        nb = -(-max(m[1] for m in members) // block_size)
+        rows_t, ctx, tab = next(up), next(up), next(up)
+        table = tables[tab, :nb].contiguous() if tables is not None else tab.view(len(members), nb)
+        k_pos = torch.arange(nb * block_size, device=device)[None, :]
+        dmasks = {w: _window_ok(ctx[:, None] - 1, k_pos, w)[:, None, None, :] for w in windows} \
+            if not decode_kernel else {}
+        overlay = full = None
+        if kb and decode_kernel:
+            full = (next(up).view(len(members), max(len(m[3]) for m in members)), next(up))
+        elif kb:
+            overlay = (next(up), next(up), next(up))
+        views = None
+        if any(m[4] for m in members):
+            padded = [m[2][:nb] + [0] * (nb - len(m[2][:nb])) for m in members]
+            views = _layer_views(members, padded, block_size, device)
+        groups.append(DecodeGroup(rows_t, table, ctx, dmasks, overlay, full, views))
+
+    prefills: list[PrefillSpan] = []
+    for c, row, ctx, full, t_row in pre:
+        n = len(c.token_ids)
         nb = -(-ctx // block_size)
         from_cache = c.start > 0 or read_cache
+        block_ids, full_t = next(up), next(up)
+        if from_cache and tables is not None:
+            block_ids = tables[t_row, :nb]
         q_pos = torch.arange(c.start, ctx, device=device)[:, None]
         k_pos = torch.arange(nb * block_size if from_cache else ctx, device=device)[None, :]
         full_start = ctx - len(full)
@@ -209,43 +278,10 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
             else:
                 plain = not from_cache and (w is None or w >= ctx)
                 pmasks[w] = None if plain else _window_ok(q_pos, k_pos, w)
-        block_ids = torch.tensor(c.block_table[:nb], device=device) if from_cache else None
-        prefills.append(PrefillSpan(row, n, ctx, block_ids, pmasks,
-                                    torch.tensor(full, device=device) if kb else None, full_start))
-    if not decode_kernel:  # padded groups gather sequences of similar length together; a kernel needs no order
-        decodes.sort(key=lambda d: -d[1])
-    groups: list[DecodeGroup] = []
-    i = 0
-    while i < len(decodes):
-        longest = decodes[i][1]
-        j = i + 1
-        while j < len(decodes) and (decode_kernel or decodes[j][1] >= _GROUP_FILL * longest):
-            j += 1
-        members = decodes[i:j]
-        longest = max(m[1] for m in members)  # the first one's, when sorted; a kernel's group is not
-        nb = -(-longest // block_size)
-        table = [t[:nb] + [0] * (nb - len(t[:nb])) for _, _, t, _, _ in members]
-        ctx = torch.tensor([m[1] for m in members], device=device)[:, None]
-        k_pos = torch.arange(nb * block_size, device=device)[None, :]
-        dmasks = {w: _window_ok(ctx - 1, k_pos, w)[:, None, None, :] for w in windows} if not decode_kernel else {}
-        overlay = full = None
-        if kb and decode_kernel:
-            width = max(len(m[3]) for m in members)
-            full = (torch.tensor([m[3] + [0] * (width - len(m[3])) for m in members], device=device),
-                    torch.tensor([m[1] - len(m[3]) for m in members], device=device))
-        elif kb:
-            b_idx = [b for b, m in enumerate(members) for _ in m[3]]
-            p_idx = [m[1] - len(m[3]) + k for m in members for k in range(len(m[3]))]
-            overlay = tuple(torch.tensor(x, dtype=torch.long, device=device)
-                            for x in (b_idx, p_idx, [r for m in members for r in m[3]]))
-        views = _layer_views(members, table, block_size, device) if any(m[4] for m in members) else None
-        groups.append(DecodeGroup(torch.tensor([m[0] for m in members], device=device),
-                                  torch.tensor(table, device=device), ctx[:, 0].contiguous(), dmasks, overlay, full,
-                                  views))
-        i = j
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return ForwardBatch(as_long(ids), as_long(pos), as_long(slots), as_long(logit_rows), groups, prefills,
-                        decode_kernel, kb.plan(device) if kb else None, as_long(capture) if capture else None)
+        prefills.append(PrefillSpan(row, n, ctx, block_ids if from_cache else None, pmasks,
+                                    full_t if kb else None, full_start))
+    return ForwardBatch(input_ids, positions, slot_mapping, logits_indices, groups, prefills, decode_kernel,
+                        kb.plan(device) if kb else None, capture_rows if capture else None)
 
 
 def _layer_views(members: list, table: list[list[int]], block_size: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -31,14 +31,15 @@ class EvictionStats:
     deferred: int = 0  # compactions put off for want of a free block to write survivors into
 
 
-def seq_chunk(token_ids: list[int], start: int, table: list[int], needs_logits: bool, private: list[int],
-              state: EvictionState | None) -> SeqChunk:
-    """A SeqChunk at cache slots [start, start + len) carrying the eviction fields of `state`."""
+def seq_chunk(seq_id: int, token_ids: list[int], start: int, table: list[int], needs_logits: bool,
+              private: list[int], state: EvictionState | None) -> SeqChunk:
+    """A SeqChunk of sequence `seq_id` at cache slots [start, start + len) carrying the eviction fields of `state`."""
     if state is None:
-        return SeqChunk(token_ids, start, table, needs_logits, private)
+        return SeqChunk(token_ids, start, table, needs_logits, private, seq_id=seq_id)
     prompt_chunk = start + state.num_evicted < state.prompt_len
     capture = state.policy.capture(state, start, len(token_ids), prompt_chunk)
-    return SeqChunk(token_ids, start, table, needs_logits, private, state.num_evicted, capture, state.layer_start)
+    return SeqChunk(token_ids, start, table, needs_logits, private, state.num_evicted, capture, state.layer_start,
+                    seq_id)
 
 
 class Evictor:

@@ -386,8 +386,8 @@ class LLMEngine:
         seqs, rows, forks = self._sampling_rows(sampled)
         if not seqs:
             return set()
-        idx = torch.tensor(rows, device=logits.device)
-        batch_logits = logits if len(rows) == logits.shape[0] else logits.index_select(0, idx)
+        batch_logits = logits if len(rows) == logits.shape[0] else \
+            logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
         tokens = self._sample(seqs, batch_logits)
         for parent, child in forks:
             if parent.is_finished or child.is_finished:  # its request failed
@@ -536,7 +536,7 @@ class LLMEngine:
                 if not self.kv.allocate(seq_id, need):
                     raise ValueError(f"{need:,} tokens need {self.kv.blocks_needed(seq_id, need):,} KV blocks; "
                                      f"{self.kv.num_free_blocks:,} are free")
-                c = seq_chunk(token_ids[done:e], done - evicted, self.kv.block_tables[seq_id], True,
+                c = seq_chunk(seq_id, token_ids[done:e], done - evicted, self.kv.block_tables[seq_id], True,
                               self.kv.private_blocks.get(seq_id, []), state)
                 # a chunk wholly before `start` gets an empty range of logit rows
                 out.append(self.runner.run_chunk(c, range(max(done, start) - done, e - done)))

@@ -6,6 +6,7 @@ import torch
 from kvcache.attention.metadata import KiviLayout, SeqChunk, build_batch
 from kvcache.engine.eviction import seq_chunk
 from kvcache.engine.sequence import Sequence
+from kvcache.memory.device_tables import DeviceBlockTables
 from kvcache.memory.kv_cache_manager import KVCacheManager
 from kvcache.models.llama import LlamaModel
 from kvcache.store.kv_store import KVStore
@@ -28,6 +29,7 @@ class ModelRunner:
         # one core less barely slows, while a frontend thread preempting a kernel's thread stalls the whole step.
         self.small_step_threads: int | None = None
         self.all_threads = torch.get_num_threads()
+        self.tables = DeviceBlockTables(device)  # the device copy of kv's block tables, updated by diffs
         self.kivi = None
         self.captured: list[torch.Tensor] = []
         if store.kivi_group:
@@ -43,7 +45,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             last = start + n == seq.num_tokens
             slot = start - seq.num_evicted
-            specs.append(seq_chunk(seq.token_ids[start:start + n], slot, self.kv.block_tables[seq.seq_id], last,
+            specs.append(seq_chunk(seq.seq_id, seq.token_ids[start:start + n], slot, self.kv.block_tables[seq.seq_id], last,
                                    self.kv.private_blocks.get(seq.seq_id, []), seq.eviction))
             if last:
                 sampled.append(seq)
@@ -54,8 +56,9 @@ class ModelRunner:
         return self._forward([chunk], logit_rows)
 
     def _forward(self, specs: list[SeqChunk], logit_rows: range | None = None) -> torch.Tensor:
+        rows = self.tables.sync(self.kv, [c.seq_id for c in specs])
         batch = build_batch(specs, self.store.block_size, self.model.windows, self.device, self.decode_kernel,
-                            read_cache=not self.store.exact, kivi=self.kivi)
+                            read_cache=not self.store.exact, kivi=self.kivi, tables=self.tables.table, table_rows=rows)
         batch.backend = self.backend
         if self.small_step_threads is not None:  # every forward (steps, scoring chunks) sets its own thread count
             rows = batch.num_tokens

@@ -52,14 +52,13 @@ class SampleResult:
 def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None = None) -> SampleResult:
     """Sample one token per row of logits [len(rows), vocab] (fp32; not modified).
 
-    Rows whose logits are not finite are left out and named in `errors` (see the module docstring).
+    Rows whose logits are not finite are named in `errors` (see the module docstring). Unless a row asks for
+    logprobs, the device is read once: the sampled ids and each row's finiteness come back in one transfer.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {list(logits.shape)}")
-    bad = torch.nonzero(~torch.isfinite(logits).all(-1)).flatten().tolist()
-    if bad:
-        return _without_rows(logits, rows, eos_token_id, bad)
     work = logits.float().contiguous()  # no-ops for the fp32 logits the runner produces
+    finite = torch.isfinite(work).all(-1)
 
     logprob_rows, greedy_rows, random_rows = [], [], []
     processed = False
@@ -70,12 +69,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
         processed = processed or _penalized(p) or len(row.output_token_ids) < p.min_tokens
         (greedy_rows if p.greedy else random_rows).append(i)
     if not (logprob_rows or processed or random_rows):
-        return _checked(SampleResult(work.argmax(-1).tolist(), [None] * len(rows)), work.shape[1])
+        return _finish(work.argmax(-1), finite, [None] * len(rows), work.shape[1])
     # The stages below work in place: the caller's logits stay as they were.
     logits = work.clone() if work is logits and (processed or random_rows) else work
 
     # vLLM returns logprobs of the model's distribution, not of the processed one.
     raw_logprobs = _take(logits, logprob_rows).log_softmax(-1) if logprob_rows else None
+    if processed or random_rows:
+        logits.masked_fill_(~finite[:, None], 0.0)  # a failing row draws harmlessly; its token is dropped
     if processed:
         # A logit divided by a repetition penalty that is 0 in float32 is inf: saturate it (it wins the draw).
         fmax = torch.finfo(logits.dtype).max
@@ -93,22 +94,20 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
         counts = [rows[i].params.logprobs for i in logprob_rows]
         for i, d in zip(logprob_rows, _logprob_dicts(raw_logprobs, _take(tokens, logprob_rows), counts)):
             logprobs[i] = d
-    return _checked(SampleResult(tokens.tolist(), logprobs), logits.shape[1])
+    return _finish(tokens, finite, logprobs, logits.shape[1])
 
 
-def _without_rows(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None,
-                  bad: list[int]) -> SampleResult:
-    """Sample the rows not in `bad`; the `bad` rows (non-finite logits) get -1 and an error."""
-    good = [i for i in range(len(rows)) if i not in set(bad)]
-    result = SampleResult([-1] * len(rows), [None] * len(rows))
-    if good:
-        sub = sample(_take(logits, good), [rows[i] for i in good], eos_token_id)
-        for j, i in enumerate(good):
-            result.token_ids[i], result.logprobs[i] = sub.token_ids[j], sub.logprobs[j]
-        result.errors = {good[j]: e for j, e in sub.errors.items()}
-    for i in bad:
-        result.errors[i] = "the model produced non-finite logits (NaN or inf) for this sequence"
-    return result
+def _finish(tokens: torch.Tensor, finite: torch.Tensor, logprobs: list[dict[int, float] | None],
+            vocab: int) -> SampleResult:
+    """The result, from one device-to-host copy of the ids and the rows' finiteness."""
+    n = tokens.numel()
+    both = torch.cat([tokens, finite.long()]).tolist()
+    result = SampleResult(both[:n], logprobs)
+    for i, ok in enumerate(both[n:]):
+        if not ok:
+            result.token_ids[i], result.logprobs[i] = -1, None
+            result.errors[i] = "the model produced non-finite logits (NaN or inf) for this sequence"
+    return _checked(result, vocab)
 
 
 def _checked(result: SampleResult, vocab: int) -> SampleResult:
@@ -126,7 +125,6 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     repetition_penalty divides positive logits (multiplies negative ones) of tokens seen in the
     prompt or the output; then frequency_penalty * count and presence_penalty * (count > 0) are
     subtracted for tokens in the output. Returns logits (a contiguous copy if it was not).
-    Only the logits of seen tokens are read and written.
     """
     logits = logits.contiguous()
     vocab = logits.shape[1]
@@ -137,8 +135,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         seen = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep]
         pos, owner = _positions(rep, seen, vocab, logits.device)
         if pos.numel():
-            penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep],
-                                   dtype=logits.dtype, device=logits.device)[owner]
+            penalty = _dev([rows[i].params.repetition_penalty for i in rep], logits.device, logits.dtype)[owner]
             vals = flat[pos]
             # A token seen twice is written twice, with the same value computed from the original.
             flat[pos] = torch.where(vals > 0, vals / penalty, vals * penalty)
@@ -147,16 +144,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     if fp:
         pos, _ = _positions(fp, [rows[i].output_token_ids for i in fp], vocab, logits.device)
         if pos.numel():
-            pos, counts = torch.unique(pos, return_counts=True)
-            row = pos // vocab
-            frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype,
-                                     device=logits.device)
-            presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype,
-                                    device=logits.device)
-            vals = flat[pos]
-            vals -= frequency[row] * counts
-            vals -= presence[row]
-            flat[pos] = vals
+            # Dense counts: no data-dependent shapes, so no wait on the device (rows without these penalties
+            # subtract 0, which changes no logit).
+            counts = torch.zeros_like(logits)
+            counts.view(-1).index_add_(0, pos, torch.ones(pos.numel(), dtype=logits.dtype, device=logits.device))
+            frequency = _dev([r.params.frequency_penalty for r in rows], logits.device, logits.dtype)
+            presence = _dev([r.params.presence_penalty for r in rows], logits.device, logits.dtype)
+            logits.sub_(frequency[:, None] * counts).sub_(presence[:, None] * (counts > 0))
     return logits
 
 
@@ -171,9 +165,10 @@ def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.T
     """
     n, vocab = probs.shape
     device = probs.device
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
+    host_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_k = _dev(host_k, device)
+    top_p = _dev([p.top_p for p in params], device, probs.dtype)
+    min_p = _dev([p.min_p for p in params], device, probs.dtype)
 
     decided: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     pending = torch.arange(n, device=device)
@@ -200,7 +195,8 @@ def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.T
         keep[:, 0] = True  # even when p x total underflows to 0 (top_p=1e-46 in float32)
         vals.mul_(keep)
         vals.masked_fill_(vals < (min_p[pending] * vals[:, 0])[:, None], 0)
-        if bool(done.all()):
+        # All decided by top-k alone is known on the host; otherwise ask the device.
+        if (len(pending) == n and all(k <= width for k in host_k)) or bool(done.all()):
             decided.append((pending, vals, ids))
             break
         decided.append((pending[done], vals[done], ids[done]))
@@ -224,7 +220,7 @@ def _penalized(p: SamplingParams) -> bool:
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Draw a token for each row of logits (owned: modified in place); returns ids [len(rows)]."""
     vocab = logits.shape[1]
-    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+    temperature = _dev([r.params.temperature for r in rows], logits.device, logits.dtype)
     # The row's maximum is subtracted before dividing by the temperature, so that no logit can overflow to
     # +inf (and inf - inf to NaN): the most likely token gets 0, every other one a finite or -inf value.
     logits.sub_(logits.amax(-1, keepdim=True)).div_(temperature[:, None])
@@ -237,8 +233,8 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     if plain:
         # Weights relative to the most likely token (its logit is 0 now), so min-p is a plain threshold on them.
         w = _take(logits, plain).exp_()
-        min_p = torch.tensor([rows[j].params.min_p for j in plain], dtype=w.dtype, device=w.device)
-        if bool((min_p > 0).any()):
+        if any(rows[j].params.min_p > 0 for j in plain):
+            min_p = _dev([rows[j].params.min_p for j in plain], w.device, w.dtype)
             w.masked_fill_(w < min_p[:, None], 0)
         _put(tokens, plain, _draw(w, [rows[j].generator for j in plain]))
     if truncated:
@@ -252,13 +248,15 @@ def _draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> to
     """Index of one draw per row from non-negative weights [rows, n] (consumed); [rows]."""
     cum = weights.cumsum_(-1)
     total = cum[:, -1:]
-    u = torch.empty_like(total)
+    # The uniform numbers are drawn on the host (seeded rows from their CPU generators) and sent in one copy.
+    u = torch.empty(total.shape, dtype=total.dtype)
     unseeded = [j for j, g in enumerate(generators) if g is None]
     if unseeded:
-        _put(u, unseeded, torch.rand(len(unseeded), 1, dtype=u.dtype, device=u.device))
+        _put(u, unseeded, torch.rand(len(unseeded), 1, dtype=u.dtype))
     for j, g in enumerate(generators):
         if g is not None:
-            u[j] = torch.rand(1, generator=g, dtype=u.dtype, device=g.device).to(u.device)
+            u[j] = torch.rand(1, generator=g, dtype=u.dtype, device=g.device).cpu()
+    u = u.to(total.device, non_blocking=True)
     # u * total can round up to total, which no entry of cum exceeds.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     # The first entry above target: zero-weight tokens add nothing to cum, so they never are.
@@ -274,21 +272,23 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_token_i
             stops = r.params.stop_token_ids + ([] if eos_token_id is None else [eos_token_id])
             pos.extend(i * vocab + t for t in stops if 0 <= t < vocab)
     if pos:
-        logits.view(-1)[torch.tensor(pos, device=logits.device)] = float("-inf")
+        logits.view(-1)[_dev(pos, logits.device)] = float("-inf")
 
 
 def _positions(rows: list[int], tokens: list[list[int]], vocab: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat positions (row * vocab + token) of tokens[j] in rows[j], and j for each."""
-    lengths = torch.tensor([len(t) for t in tokens], device=device)
-    if not int(lengths.sum()):
+    lengths = [len(t) for t in tokens]
+    total = sum(lengths)
+    if not total:
         return torch.empty(0, dtype=torch.long, device=device), torch.empty(0, dtype=torch.long, device=device)
-    # array() walks the lists in C: several times faster than torch.tensor on a list of ints.
-    flat = torch.frombuffer(array.array("q", itertools.chain.from_iterable(tokens)), dtype=torch.long).to(device)
+    # array() walks the lists in C: several times faster than torch.tensor on a list of ints. Checked on the host,
+    # before the copy, so that the device is not waited on.
+    flat = torch.frombuffer(array.array("q", itertools.chain.from_iterable(tokens)), dtype=torch.long)
     if int(flat.min()) < 0 or int(flat.max()) >= vocab:
         raise ValueError(f"token ids must be in [0, {vocab}), got {int(flat.min())}..{int(flat.max())}")
-    owner = torch.arange(len(tokens), device=device).repeat_interleave(lengths)
-    return torch.tensor(rows, device=device)[owner] * vocab + flat, owner
+    owner = torch.arange(len(tokens), device=device).repeat_interleave(_dev(lengths, device), output_size=total)
+    return _dev(rows, device)[owner] * vocab + flat.to(device, non_blocking=True), owner
 
 
 def _logprob_dicts(logprobs: torch.Tensor, sampled: torch.Tensor, counts: list[int]) -> list[dict[int, float]]:
@@ -305,7 +305,7 @@ def _logprob_dicts(logprobs: torch.Tensor, sampled: torch.Tensor, counts: list[i
 
 def _take(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
     """x[idx] for a sorted list of row indices; x itself (no copy) when idx is every row."""
-    return x if len(idx) == x.shape[0] else x[torch.tensor(idx, device=x.device)]
+    return x if len(idx) == x.shape[0] else x[_dev(idx, x.device)]
 
 
 def _put(x: torch.Tensor, idx: list[int], value: torch.Tensor) -> None:
@@ -313,4 +313,11 @@ def _put(x: torch.Tensor, idx: list[int], value: torch.Tensor) -> None:
         if len(idx) == x.shape[0]:
             x.copy_(value)
         else:
-            x[torch.tensor(idx, device=x.device)] = value
+            x[_dev(idx, x.device)] = value
+
+
+def _dev(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list on `device` without making the host wait for the device's queue (a plain torch.tensor(...,
+    device="cuda") copies synchronously, which waits for the forward still running)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if t.device == device else t.to(device, non_blocking=True)

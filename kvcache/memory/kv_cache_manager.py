@@ -69,6 +69,14 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._seqs: dict[int, _SeqCache] = {}
         self._compacted: set[int] = set()  # sequences whose blocks no longer match their tokens (eviction)
+        # Sequences whose table was rewritten other than by appending (a dedup swap, a compaction, a free) since the
+        # last take_changed(): the device copy of their tables (device_tables.py) is written again in full.
+        self._changed: set[int] = set()
+
+    def take_changed(self) -> set[int]:
+        """Sequences whose table changed in place, or was freed, since the last call (tables otherwise only grow)."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     # ---- capacity -----------------------------------------------------------------------------
 
@@ -196,7 +204,7 @@ class KVCacheManager:
             entry.node, entry.locked = node, True
             for i in range(entry.num_cached, full):
                 if table[i] != tree_blocks[i]:
-                    self._swap(table, i, tree_blocks[i])
+                    self._swap(seq_id, i, tree_blocks[i])
         else:
             hashes = self.block_hashes(seq_id, token_ids, extra)
             for i in range(entry.num_cached, full):
@@ -211,14 +219,16 @@ class KVCacheManager:
                 if other is None:
                     self.pool.cache(b, key)
                 elif self.pool.keys[other] == key:
-                    self._swap(table, i, other)  # computed twice (same step): keep one copy
+                    self._swap(seq_id, i, other)  # computed twice (same step): keep one copy
                 else:
                     full = i  # a real hash collision: cache nothing more of this sequence
                     break
         entry.num_cached = full
 
-    def _swap(self, table: list[int], i: int, cached: int) -> None:
+    def _swap(self, seq_id: int, i: int, cached: int) -> None:
         """Replace the sequence's full block i by the cached block with the same content, freeing its own."""
+        table = self.block_tables[seq_id]
+        self._changed.add(seq_id)
         if self.radix:
             self.pool.share([cached])  # held by the tree
         else:
@@ -257,6 +267,7 @@ class KVCacheManager:
         if private:
             self.private_blocks[child_id] = dst[partial:]
         self.block_tables[child_id] = list(shared) + dst[:partial]
+        self._changed.add(child_id)
         if parent_id in self._seqs:
             p = self._seqs[parent_id]
             # Hashes and cached blocks only up to the fork point: after it the child's tokens are its own.
@@ -298,6 +309,7 @@ class KVCacheManager:
         kept = set(new)
         pool.free([b for b in table[::-1] if b not in kept])
         self.block_tables[seq_id] = new
+        self._changed.add(seq_id)
         entry = self._seqs.pop(seq_id, None)
         if entry is not None and entry.locked:
             self.radix.unlock(entry.node)
@@ -324,6 +336,8 @@ class KVCacheManager:
         table = self.block_tables.pop(seq_id, None)
         entry = self._seqs.pop(seq_id, None)
         self._compacted.discard(seq_id)
+        if table is not None:
+            self._changed.add(seq_id)
         private = self.private_blocks.pop(seq_id, None)
         if private:
             self.pool.free(private)

@@ -6,7 +6,13 @@ Under bfloat16 and float16 compute, "the same" cannot be exact: attention kernel
 query and context lengths, so a step whose top two logits tie (bf16 ties outright on these tiny models) may go
 either way. There a run must equal one-at-a-time up to its first difference, and that difference must fall on a
 step whose top-2 margin (in the one-at-a-time run) is within 4 x eps(dtype): two units in the last place of the
-tiny models' logits, which stay below 2."""
+tiny models' logits, which stay below 2.
+
+Under float32 compute the KIVI formats (int4, int2) get the same rule with a margin of 1e-3: a preempted request's
+recompute runs its keys through a 48-row GEMM where one at a time ran a 1-row one, and BLAS libraries (MKL on Intel
+CPUs) round those differently in the last bit; a key that lands on a 4-bit (2-bit) rounding edge then moves to the
+next step of the grid, which moves the tiny models' logits by ~1e-4 (seen: a top-2 margin of 1.3e-4 on an Intel
+Xeon). The per-token formats keep exact equality in float32."""
 from __future__ import annotations
 
 import pytest
@@ -44,13 +50,14 @@ def _run(llm, prompts, max_tokens, logprobs=None):
 class Expected:
     """One-at-a-time greedy tokens, and in half precision each step's top-2 margin (see the module docstring)."""
 
-    def __init__(self, llm, prompts, max_tokens, compute: str) -> None:
+    def __init__(self, llm, prompts, max_tokens, compute: str, kv_dtype: str) -> None:
         half = compute != "float32"
-        outs = [_run(llm, [p], [n], logprobs=2 if half else None)[0] for p, n in zip(prompts, max_tokens)]
-        self.tokens = [o.token_ids for o in outs] if half else outs
+        near = half or kv_dtype in ("int4", "int2")  # differences allowed at near-ties (module docstring)
+        outs = [_run(llm, [p], [n], logprobs=2 if near else None)[0] for p, n in zip(prompts, max_tokens)]
+        self.tokens = [o.token_ids for o in outs] if near else outs
         self.margins = [[m[0] - m[1] for m in (sorted(d.values(), reverse=True) for d in o.logprobs)]
-                        for o in outs] if half else None
-        self.tol = 4 * torch.finfo(getattr(torch, compute)).eps if half else 0.0
+                        for o in outs] if near else None
+        self.tol = 4 * torch.finfo(getattr(torch, compute)).eps if half else 1e-3 if near else 0.0
 
     def check(self, got: list[list[int]], subset: list[int] | None = None) -> None:
         for i, tokens in zip(subset or range(len(self.tokens)), got):
@@ -69,7 +76,7 @@ def case(request, tiny_model_dirs):
     prompts, max_tokens = _workload(seed=1)
     alone = LLM(path, dtype=compute, kv_cache_dtype=dtype, kv_cache_memory="8MiB", enable_prefix_caching=False)
     return path, dict(dtype=compute, kv_cache_dtype=dtype), prompts, max_tokens, Expected(alone, prompts, max_tokens,
-                                                                                       compute)
+                                                                                       compute, dtype)
 
 
 def test_batched_and_chunked_equal_one_at_a_time(case):
@@ -101,7 +108,7 @@ def _kivi_preemption(path, fmt):
     prompts = [list(range(3 + i, 13 + 2 * i)) for i in range(4)]
     max_tokens = [250] * 4
     alone = LLM(path, **fmt, kv_cache_memory="8MiB")
-    expected = Expected(alone, prompts, max_tokens, fmt["dtype"])
+    expected = Expected(alone, prompts, max_tokens, fmt["dtype"], fmt["kv_cache_dtype"])
     per_block = 64 * alone.kv_cache_info()["bytes_per_token"]
     llm = LLM(path, **fmt, kv_cache_memory=10 * per_block, max_num_batched_tokens=48)
     assert llm.kv_cache_info()["num_blocks"] == 10

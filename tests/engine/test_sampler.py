@@ -407,3 +407,51 @@ def test_every_sampled_id_is_in_the_vocabulary(data):
             assert i not in result.errors and 0 <= t < vocab
         else:
             assert i in result.errors and t == -1
+
+
+# ---- one read of the device per step ------------------------------------------------------------------------------
+
+
+class _Tracked(torch.Tensor):
+    """Logits whose derived tensors count the reads that would make the host wait on a GPU."""
+
+    reads = 0
+
+    def _read(self, name, *args):
+        _Tracked.reads += 1
+        return getattr(torch.Tensor, name)(self.as_subclass(torch.Tensor), *args)
+
+    def tolist(self):
+        return self._read("tolist")
+
+    def item(self):
+        return self._read("item")
+
+    def __bool__(self):
+        return self._read("__bool__")
+
+    def __int__(self):
+        return self._read("__int__")
+
+    def __float__(self):
+        return self._read("__float__")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0), dict(temperature=0.8), dict(temperature=0.8, seed=5), dict(temperature=1.0, top_k=5),
+    dict(temperature=1.0, min_p=0.2), dict(temperature=0.7, top_k=40, top_p=0.9),
+    dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, min_tokens=3),
+    dict(temperature=0.9, frequency_penalty=-0.5, seed=2)], ids=str)
+def test_a_batch_is_read_from_the_device_once(kw):
+    """Sampled ids and the finiteness of every row come back in one transfer (issue 14: one host sync per step),
+    a NaN row included; only logprobs, and top-p without top-k widening past its first candidates, read more."""
+    logits = torch.randn(4, 3000)
+    logits[2, 17] = float("nan")
+    rows = lambda: [row(prompt=[1, 2, 3], output=[4, 4, 9], **kw) for _ in range(4)]  # noqa: E731 (fresh generators)
+    _Tracked.reads = 0
+    result = sample(logits.as_subclass(_Tracked), rows(), eos_token_id=2)
+    assert _Tracked.reads == 1
+    assert list(result.errors) == [2] and result.token_ids[2] == -1
+    plain = sample(logits, rows(), eos_token_id=2)
+    if "seed" in kw or kw["temperature"] == 0:  # reproducible rows: the counted run drew the same tokens
+        assert result.token_ids == plain.token_ids

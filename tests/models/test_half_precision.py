@@ -143,12 +143,14 @@ def test_the_engine_generates_transformers_greedy_tokens(tiny_model_dirs, dtype,
 def test_demo_model_in_bfloat16_matches_transformers(demo_path, demo_hf):
     """The real SmolLM2 GGUF: transformers' dequantized weights cast to bfloat16 against kvcache's bfloat16 load.
 
-    A prefill of the prompt and transformers' greedy continuation gives its logits within the tolerance (here,
-    exactly). One token at a time, both engines take other SDPA kernels (bfloat16 attention on the CPU rounds
-    differently for other query lengths), and over 30 layers that moves logits of ~35 by up to ~0.75 in
-    transformers itself: its own cached decode against its prefill. So the decode path is held to that
-    measured distance, against transformers' own decode, and to the same greedy tokens where the margin
-    clears it."""
+    One token at a time, both engines take other SDPA kernels (bfloat16 attention on the CPU rounds differently
+    for other query lengths), and over 30 layers that moves logits of ~35 by up to ~0.75 in transformers itself:
+    its own cached decode against its prefill; and transformers' prefill through PyTorch's math SDPA instead of
+    its default one moves them by up to 0.75 on an Intel Xeon with AMX. Both paths are held to the larger of
+    the measured decode drift and 3 x eps(bfloat16) x the largest logit (about 1.0 here: four units in the last
+    place of the largest logits), and to the same greedy tokens where the margin clears it: the decode path
+    against transformers' own decode, and a prefill of the prompt and its greedy continuation against
+    transformers' prefill (exactly equal on an AMD EPYC, 0.69 apart on that Xeon)."""
     hf32, tok = demo_hf
     hf = copy.deepcopy(hf32).to(torch.bfloat16)
     # from_pretrained(dtype=bfloat16) keeps RoPE's inverse frequencies in float32; .to() would round them too
@@ -162,16 +164,15 @@ def test_demo_model_in_bfloat16_matches_transformers(demo_path, demo_hf):
                               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         ids = out.sequences[0].tolist()
         full = hf_logits(hf, ids)
-        assert_close_and_same_greedy(kv_logits(model, ids, len(ids)), full, torch.bfloat16)
         steps = slice(len(prompt) - 1, len(ids) - 1)  # the positions transformers decoded
         hf_decode = torch.stack([lg[0].float() for lg in out.logits])
         drift = (hf_decode - full[steps]).abs().max().item()
-        got = kv_logits(model, ids, 1)[steps]
-        tol = max(tolerance(hf_decode, torch.bfloat16), drift)
-        assert (got - hf_decode).abs().max().item() <= tol
-        top2 = hf_decode.topk(2, -1).values
-        clear = (top2[:, 0] - top2[:, 1]) > tol
-        assert clear.any() and torch.equal(got.argmax(-1)[clear], hf_decode.argmax(-1)[clear])
+        for got, ref in ((kv_logits(model, ids, len(ids)), full), (kv_logits(model, ids, 1)[steps], hf_decode)):
+            tol = max(1.5 * tolerance(ref, torch.bfloat16), drift)
+            assert (got - ref).abs().max().item() <= tol, ((got - ref).abs().max().item(), tol)
+            top2 = ref.topk(2, -1).values
+            clear = (top2[:, 0] - top2[:, 1]) > tol
+            assert clear.any() and torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 def test_float16_overflow_fails_only_the_requests_it_hits(tiny_llama, tmp_path):
