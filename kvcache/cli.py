@@ -50,6 +50,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", default=None,
                    help="KV tokens a request keeps under --kv-eviction: tokens (512), or a ratio of its prompt "
                         "(0.25 or 25%%)")
+    p.add_argument("--kv-offload-memory", default=None,
+                   help="keep prefix blocks beyond the pool in this much host memory, e.g. 8GiB (the cpu tier)")
+    p.add_argument("--kv-offload-dir", default=None,
+                   help="keep prefix blocks in this directory too (the disk tier; processes may share it)")
+    p.add_argument("--kv-offload-disk-size", default=None, help="the disk tier's size (default 10GiB)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -102,6 +107,16 @@ def print_kv_summary(engine, out=None) -> None:
         print(f"eviction  : {info['kv_eviction']} (budget {info['kv_budget']}); {info['evicted_tokens']:,} tokens "
               f"evicted in {info['eviction_compactions']:,} compactions, {info['eviction_freed_blocks']:,} blocks "
               "returned to the pool", file=out)
+    if info["offload"]:
+        o = info["offload"]
+        for t in o["tiers"]:
+            errors = sum(t["errors"].values())
+            print(f"{'tier ' + t['tier']:<10}: {t['blocks']:,} blocks, {t['used_bytes'] / 2**20:.1f} of "
+                  f"{t['capacity_bytes'] / 2**20:,.0f} MiB; {t['hits']:,} hits, {t['misses']:,} misses "
+                  f"({t['hit_rate']:.0%}); {t['stored_blocks']:,} stored" + (f"; {errors} errors {t['errors']}"
+                                                                           if errors else ""), file=out)
+        print(f"offload   : {o['loaded_blocks']:,} blocks loaded into the pool instead of recomputed, in "
+              f"{o['load_seconds'] * 1e3:.1f} ms", file=out)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -57,6 +57,15 @@ WEIGHT_QUANTIZATIONS = {
     "int4": "4-bit groups of 32 with a scale and minimum (GGUF Q4_1), int8 activations, LM head int8",
 }
 
+def _offload_bytes(name: str, value) -> int:
+    try:
+        if memory_share(value) is not None:
+            raise ValueError("a share is not accepted here")
+        return parse_bytes(value)
+    except ValueError as e:
+        raise ValueError(f"{name} must be a positive size such as 8GiB or 512MiB; got {value!r} ({e})") from None
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine is started with. Sizes in tokens unless named otherwise."""
@@ -83,6 +92,10 @@ class EngineConfig:
     seed: int = 0
     kv_eviction: str = "none"  # token eviction: none, streaming, h2o, snapkv, tova, pyramidkv, random
     kv_budget: int | float | str | None = None  # KV tokens a request keeps (512) or a ratio of its prompt (0.25)
+    # Offload tiers below the pool (offload/): prefix blocks kept in host memory and/or a directory
+    kv_offload_memory: int | str | None = None  # bytes of host memory ('8GiB'); None = no cpu tier
+    kv_offload_dir: str | None = None  # a directory, shareable between processes; None = no disk tier
+    kv_offload_disk_size: int | str | None = None  # bytes on disk; default 10GiB when a directory is given
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -125,6 +138,12 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(WEIGHT_QUANTIZATIONS)} ("
                              f"{'; '.join(f'{k}: {v}' for k, v in WEIGHT_QUANTIZATIONS.items())}); got "
                              f"{self.quantization!r}")
+        if self.kv_offload_memory is not None:
+            self.kv_offload_memory = _offload_bytes("kv_offload_memory", self.kv_offload_memory)
+        if self.kv_offload_disk_size is not None and self.kv_offload_dir is None:
+            raise ValueError("kv_offload_disk_size needs kv_offload_dir: the directory the disk tier writes to")
+        if self.kv_offload_dir is not None:
+            self.kv_offload_disk_size = _offload_bytes("kv_offload_disk_size", self.kv_offload_disk_size or "10GiB")
         if self.attention_backend not in ("auto", "triton", "torch", "cpu"):
             raise ValueError(f"attention_backend must be one of auto, triton, torch, cpu; got {self.attention_backend!r}")
 

@@ -8,12 +8,16 @@ conversations' turn t submitted together once turn t-1 has finished.
 
 Every mode runs the same token ids through one engine built from one loaded checkpoint, one
 mode after the other; greedy outputs must be identical across modes (checked and reported).
+Modes cpu and disk are hash prefix caching with an offload tier below the pool (--kv-offload-memory, default
+4GiB; --kv-offload-dir, default a temporary directory removed afterwards): with a --kv-cache-memory too small for
+the conversations, they show what keeping the dropped prefix blocks saves against hash alone.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import itertools
+import tempfile
 import time
 from dataclasses import fields
 
@@ -23,7 +27,7 @@ from kvcache.bench.throughput import write_json
 from kvcache.bench.workload import parse_range
 from kvcache.config import EngineConfig
 
-MODES = ("off", "hash", "radix")
+MODES = ("off", "hash", "radix", "cpu", "disk")  # cpu, disk: hash prefix caching plus that offload tier
 _counter = itertools.count()
 
 
@@ -57,7 +61,14 @@ def _run_batch(engine, prompts: list[list[int]], output_len: int) -> tuple[list[
 def _run_mode(args: argparse.Namespace, loaded, mode: str, allowed: np.ndarray) -> dict:
     from kvcache.engine.llm_engine import LLMEngine
     cfg = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
-    cfg.update(enable_prefix_caching=mode != "off", prefix_caching_algo="hash" if mode == "off" else mode)
+    cfg.update(enable_prefix_caching=mode != "off", prefix_caching_algo=mode if mode == "radix" else "hash",
+               kv_offload_memory=None, kv_offload_dir=None, kv_offload_disk_size=None)
+    scratch = None
+    if mode == "cpu":
+        cfg["kv_offload_memory"] = args.kv_offload_memory or "4GiB"
+    elif mode == "disk":
+        scratch = None if args.kv_offload_dir else tempfile.TemporaryDirectory(prefix="kvcache-bench-")
+        cfg.update(kv_offload_dir=args.kv_offload_dir or scratch.name, kv_offload_disk_size=args.kv_offload_disk_size)
     engine = LLMEngine(EngineConfig(**cfg), loaded)
     out_len = args.output_len
     outputs, ttft = [], []
@@ -83,6 +94,8 @@ def _run_mode(args: argparse.Namespace, loaded, mode: str, allowed: np.ndarray) 
             ttft += times
     elapsed = time.perf_counter() - t
     engine.check_no_leaks()
+    if engine.offload:
+        engine.offload.close()
     info = engine.kv_cache_info()
     out_tokens = sum(map(len, outputs))
     result = {
@@ -95,8 +108,11 @@ def _run_mode(args: argparse.Namespace, loaded, mode: str, allowed: np.ndarray) 
         "evictions": info["prefix_cache_evictions"], "preemptions": info["num_preemptions"],
         "peak_used_blocks": info["peak_used_blocks"],
         "ttft_mean_s": float(np.mean(ttft)), "ttft_p90_s": float(np.percentile(ttft, 90)),
+        "offload_loaded_blocks": info["offload"]["loaded_blocks"] if info["offload"] else 0,
         "outputs": outputs,
     }
+    if scratch is not None:
+        scratch.cleanup()
     del engine
     gc.collect()
     return result
@@ -132,6 +148,13 @@ def run(args: argparse.Namespace) -> int:
         for r in runs.values():
             r["prefill_reduction"] = 1 - r["prefill_tokens_computed"] / off["prefill_tokens_computed"]
             r["speedup_vs_off"] = r["output_tokens_per_s"] / off["output_tokens_per_s"]
+    if "hash" in runs:  # a tier against none
+        base = runs["hash"]
+        for m in ("cpu", "disk"):
+            if m in runs:
+                runs[m]["speedup_vs_hash"] = runs[m]["output_tokens_per_s"] / base["output_tokens_per_s"]
+                runs[m]["prefill_reduction_vs_hash"] = 1 - runs[m]["prefill_tokens_computed"] / max(
+                    1, base["prefill_tokens_computed"])
     _print_table(results)
     if args.json:
         write_json(args.json, results)
@@ -165,3 +188,8 @@ def _print_table(r: dict) -> None:
         if best:
             print(f"\nthroughput {best} / off: {r['modes'][best]['speedup_vs_off']:.2f}x; prefill tokens computed "
                   f"{r['modes'][best]['prefill_reduction']:.0%} fewer")
+    for m in ("cpu", "disk"):
+        v = r["modes"].get(m)
+        if v and "speedup_vs_hash" in v:
+            print(f"tier {m} / hash alone: {v['speedup_vs_hash']:.2f}x throughput; prefill tokens computed "
+                  f"{v['prefill_reduction_vs_hash']:.0%} fewer; {v['offload_loaded_blocks']:,} blocks loaded")

@@ -80,7 +80,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "the rest of the forward and the rest of the step, by kind of step (CPU)")
     p.add_argument("--workload", default="random", choices=["random", "shared-prefix", "multi-turn"],
                    help="random: against transformers; shared-prefix / multi-turn: prefix caching off vs hash vs radix")
-    p.add_argument("--prefix-caching-modes", default="off,hash,radix", help="shared-prefix / multi-turn: modes to run")
+    p.add_argument("--prefix-caching-modes", default="off,hash,radix",
+                   help="shared-prefix / multi-turn: modes to run, of off, hash, radix, cpu, disk (cpu, "
+                   "disk: hash plus that offload tier)")
     p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: groups sharing a prefix")
     p.add_argument("--requests-per-group", type=int, default=16, help="shared-prefix: requests per group")
     p.add_argument("--prefix-len", type=int, default=512, help="shared prefix (multi-turn: system prompt) tokens")

@@ -34,6 +34,7 @@ from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
 from kvcache.messages import describe
 from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
 from kvcache.models.llama import layer_windows
+from kvcache.offload.offloader import make_offloader, offload_tiers
 from kvcache.plan.kv_bytes import KV_DTYPES, check_kv_format, kv_formula, residual_bytes_per_seq
 from kvcache.plan.shape import shape_from_config
 from kvcache.store.quantized_store import make_store
@@ -95,6 +96,7 @@ class LLMEngine:
         if config.quantization != "none" and self.device.type != "cpu":
             raise ValueError(f"quantization {config.quantization} runs on the CPU only (its kernel is a CPU one); "
                              "use --quantization none on CUDA")
+        tiers = offload_tiers(config)  # before the model loads: an unwritable directory is refused first
         self.model = build_model(loaded, self.max_model_len, self.device, self.dtype, config.quantization)
         self.budget, self.capacity = kv_capacity(config, self.device, self.model, self.shape, self.kv_dtype,
                                                  self.max_model_len, self.backend)
@@ -105,7 +107,9 @@ class LLMEngine:
         self.store = make_store(self.shape.num_layers, self.capacity.num_blocks + 1, config.block_size,
                                 self.shape.num_kv_heads, self.shape.head_dim, self.kv_dtype, self.dtype, self.device,
                                 self.capacity.bytes_per_token)
-        self.scheduler = Scheduler(config, self.kv)
+        self.offload = make_offloader(tiers, self.store, loaded.source, compute=str(self.dtype), kv=self.kv_dtype,
+                                      block_size=config.block_size, quantization=config.quantization)
+        self.scheduler = Scheduler(config, self.kv, self.offload)
         if self.backend == "triton" and hasattr(self.store, "raw"):
             from kvcache.attention.triton_attention import write_quantized
             self.store.fused_write = write_quantized
@@ -324,11 +328,16 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
             if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:  # not a decode
                 self.stats.prefill_tokens_computed += n
+        loads, self.scheduler.loads = self.scheduler.loads, []
+        if loads:
+            self.offload.load([b for blocks, _ in loads for b in blocks], [p for _, ps in loads for p in ps])
         sampled, logits, specs = self.runner.execute(chunks, copies)
+        to_store: list[tuple[int, tuple[int, ...], int]] = []
         for seq, n in chunks:
             seq.num_computed_tokens += n
-            self._isolated(seq, "caching its prefix blocks", self.kv.cache_blocks, seq.seq_id, seq.token_ids,
-                           seq.num_computed_tokens, seq.extra_key)
+            self._isolated(seq, "caching its prefix blocks", self._cache_blocks, seq, to_store)
+        if to_store:
+            self.offload.store(to_store)
         self.stats.steps += 1
         used = self.kv.pool.num_usable - self.kv.num_free_blocks  # before eviction: the step's true peak
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
@@ -381,6 +390,16 @@ class LLMEngine:
             self._collect_outputs(set())  # forget the failed requests: nobody will step this engine again
             raise EngineDeadError(f"{self._consecutive_failures} steps in a row failed with no request to blame; "
                                   f"the last: {type(exc).__name__}: {exc}") from exc
+
+    def _cache_blocks(self, seq: Sequence, to_store: list[tuple[int, tuple[int, ...], int]]) -> None:
+        """Register the sequence's newly computed full blocks in the prefix cache; with offload tiers, add them to
+        `to_store` as (chain hash, token ids, block)."""
+        new = self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.extra_key)
+        if self.offload is None or not new:
+            return
+        bs, table = self.kv.block_size, self.kv.block_tables[seq.seq_id]
+        hashes = self.kv.block_hashes(seq.seq_id, seq.token_ids, seq.extra_key)
+        to_store.extend((hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]), table[i]) for i in new)
 
     def _sample_and_append(self, sampled: list[Sequence], logits: torch.Tensor) -> set[str]:
         seqs, rows, forks = self._sampling_rows(sampled)
@@ -574,6 +593,8 @@ class LLMEngine:
             "kv_eviction": self.config.kv_eviction, "kv_budget": self.config.kv_budget,
             "evicted_tokens": self.evictor.stats.evicted_tokens, "eviction_freed_blocks": self.evictor.stats.freed_blocks,
             "eviction_compactions": self.evictor.stats.compactions,
+            "prefill_tokens_computed": self.stats.prefill_tokens_computed,
+            "offload": self.offload.info() if self.offload else None,
         }
 
     def reset_prefix_cache(self) -> int:

@@ -39,9 +39,13 @@ class SchedulerOutput:
 class Scheduler:
     """Admits, batches and preempts sequences over one KVCacheManager."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, offload=None) -> None:
         self.config = config
         self.kv = kv
+        self.offload = offload  # an offload.Offloader: prefix lookups continue in its tiers
+        # Blocks to fill from the tiers before this step's forward: (pool blocks, payloads), taken by the engine.
+        self.loads: list[tuple[list[int], list[bytes]]] = []
+        self._found: dict[int, tuple[int, list[bytes]]] = {}  # seq -> (first block, payloads) found, not yet admitted
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.watermark = max(1, int(WATERMARK_FRACTION * kv.pool.num_usable))
@@ -66,7 +70,23 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._found.pop(seq.seq_id, None)
         (release or self.kv.free)(seq.seq_id)
+
+    def _offloaded(self, seq: Sequence, start: int) -> list[bytes]:
+        """Payloads of the blocks after the pool's `start` cached ones that the offload tiers hold (remembered
+        while the sequence waits, so a queue head is not read again every step)."""
+        bs = self.kv.block_size
+        limit = seq.num_tokens - 1 if seq.max_cached_prefix is None else \
+            max(0, min(seq.num_tokens - 1, seq.max_cached_prefix))
+        stop = limit // bs
+        if start >= stop:
+            return []
+        found = self._found.get(seq.seq_id)
+        if found is None or found[0] != start:
+            hashes = self.kv.block_hashes(seq.seq_id, seq.token_ids, seq.extra_key)
+            found = self._found[seq.seq_id] = (start, self.offload.lookup(hashes, seq.token_ids, bs, start, stop))
+        return found[1]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -125,7 +145,8 @@ class Scheduler:
             # Looked up again right before allocating: an admission earlier in this loop may have evicted
             # blocks of the prefix found while sorting.
             prefix = self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key, seq.max_cached_prefix)
-            cached = len(prefix) * bs
+            loaded = self._offloaded(seq, len(prefix)) if self.offload else []
+            cached = (len(prefix) + len(loaded)) * bs
             remaining = seq.num_tokens - cached
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
@@ -143,6 +164,9 @@ class Scheduler:
                 break
             if not self.kv.allocate(seq.seq_id, cached + n, prefix):
                 break
+            if loaded:  # fresh blocks after the pool's prefix, filled from the tiers before the forward
+                self.loads.append((self.kv.block_tables[seq.seq_id][len(prefix):len(prefix) + len(loaded)], loaded))
+            self._found.pop(seq.seq_id, None)
             self.waiting.remove(seq)
             if not seq.prefix_counted and seq.index == 0:  # once per request, at admission (vLLM's counting)
                 seq.prefix_counted = True

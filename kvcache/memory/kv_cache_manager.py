@@ -186,15 +186,17 @@ class KVCacheManager:
             table.extend(self._take_free(need))
         return True
 
-    def cache_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, extra: tuple = ()) -> None:
-        """Register the full blocks of `seq_id` whose K/V are now computed, so later requests can share them."""
+    def cache_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, extra: tuple = ()) -> range:
+        """Register the full blocks of `seq_id` whose K/V are now computed, so later requests can share them.
+        Returns the indices (in its table) of the blocks registered by this call."""
         if self.prefix_caching is None or seq_id in self._compacted:
-            return
+            return range(0)
         entry = self._entry(seq_id, extra)
         table = self.block_tables[seq_id]
         full = min(num_computed_tokens // self.block_size, len(table))
-        if full <= entry.num_cached:
-            return
+        first = entry.num_cached
+        if full <= first:
+            return range(0)
         bs = self.block_size
         if self.radix:
             node, tree_blocks = self.radix.insert(token_ids[:full * bs], table[:full], entry.extra)
@@ -224,6 +226,7 @@ class KVCacheManager:
                     full = i  # a real hash collision: cache nothing more of this sequence
                     break
         entry.num_cached = full
+        return range(first, full)
 
     def _swap(self, seq_id: int, i: int, cached: int) -> None:
         """Replace the sequence's full block i by the cached block with the same content, freeing its own."""

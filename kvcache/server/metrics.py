@@ -28,6 +28,11 @@ KV cache health (ours):
 | `kvcache:kv_cache_bytes_used`, `kvcache:kv_cache_bytes_total` | gauge | bytes of KV blocks held / of the whole pool |
 | `kvcache:kv_blocks{state}` | gauge | blocks; they sum to the pool (see below) |
 | `kvcache:kv_cache_bytes_per_token` | gauge | bytes one cached token costs in the storage format, scales included |
+| `kvcache:kv_offload_{hits,misses,stored_blocks}_total{tier}` | counter | block lookups found / not found, blocks written (offload tiers) |
+| `kvcache:kv_offload_bytes_{in,out}_total{tier}` | counter | bytes written to / read from a tier |
+| `kvcache:kv_offload_errors_total{tier,reason}` | counter | failed or refused values: write, read, disk_full, checksum, fingerprint, ... |
+| `kvcache:kv_offload_loaded_blocks_total` | counter | blocks loaded from the tiers into the pool instead of recomputed |
+| `kvcache:kv_offload_bytes_used{tier}` | gauge | bytes a tier holds |
 | `kvcache:cache_config_info{...}` | gauge (1) | labels: block_size, cache_dtype, num_gpu_blocks, bytes_per_token, residual_blocks_per_seq (vLLM's name) |
 | `kvcache:kv_evicted_tokens_total` | counter | cache slots emptied by token eviction (--kv-eviction), per request |
 | `kvcache:kv_eviction_freed_blocks_total` | counter | blocks eviction's compactions returned to the pool |
@@ -136,6 +141,24 @@ class ServerMetrics:
               "residual_blocks_per_seq: pool blocks each request holds for its fp16 key residual (int4/int2).",
               ["model_name", *config], registry=self.registry).labels(model_name, *map(str, config.values())).set(1)
 
+        self._tiers = {}
+        if engine.offload:
+            labels = ["model_name", "tier"]
+            for name, doc in (("hits", "Offload tier lookups that found the block."),
+                              ("misses", "Offload tier lookups that did not find the block."),
+                              ("stored_blocks", "Blocks written to an offload tier."),
+                              ("bytes_in", "Bytes written to an offload tier."),
+                              ("bytes_out", "Bytes read from an offload tier.")):
+                c = Counter(PREFIX + "kv_offload_" + name, doc, labels, registry=self.registry)
+                self._tiers[name] = {t.name: c.labels(model_name, t.name) for t in engine.offload.tiers}
+            self._tier_errors = Counter(PREFIX + "kv_offload_errors", "Offload values failed or refused, by reason.",
+                                        ["model_name", "tier", "reason"], registry=self.registry)
+            used = Gauge(PREFIX + "kv_offload_bytes_used", "Bytes an offload tier holds.", labels,
+                         registry=self.registry)
+            self._tier_used = {t.name: used.labels(model_name, t.name) for t in engine.offload.tiers}
+            self._loaded = counter("kv_offload_loaded_blocks", "Blocks loaded from the offload tiers into the pool "
+                                                               "instead of recomputed.")
+
         self._lock = threading.Lock()  # on_step/on_abort (engine thread) against log_line (any thread)
         self._requests: dict[str, _RequestState] = {}
         # Engine totals already added to the counters: the counters mirror the engine's totals.
@@ -216,6 +239,17 @@ class ServerMetrics:
         self._advance("preemptions", self.preemptions, sched.num_preemptions)
         self._advance("evicted", self.evicted_tokens, eng.evictor.stats.evicted_tokens)
         self._advance("eviction_freed", self.eviction_freed_blocks, eng.evictor.stats.freed_blocks)
+        if self._tiers:
+            for tier in eng.offload.tiers:
+                st = tier.stats
+                for name, counters in self._tiers.items():
+                    self._advance(f"{tier.name}:{name}", counters[tier.name],
+                                  st.stored if name == "stored_blocks" else getattr(st, name))
+                for reason, n in list(st.errors.items()):
+                    self._advance(f"{tier.name}:error:{reason}", self._tier_errors.labels(self.model_name, tier.name,
+                                                                                          reason), n)
+                self._tier_used[tier.name].set(tier.used_bytes)
+            self._advance("loaded", self._loaded, eng.offload.loaded_blocks)
 
         running = {s.request_id for s in sched.running}
         waiting = {s.request_id for s in sched.waiting} - running

@@ -63,6 +63,10 @@ class KVStore:
         compaction. All reads happen before any write, so the ranges may overlap."""
         move_slots([self.k[layer], self.v[layer]], src, dst, self.block_size)
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor whose dim 0 is the block: a block's content is its row in each (offload copies them)."""
+        return self.k + self.v
+
     def zero_blocks(self, blocks: list[int]) -> None:
         """Clear `blocks` in every layer (a failed request's, which may hold NaN)."""
         if blocks:

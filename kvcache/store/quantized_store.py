@@ -177,6 +177,10 @@ class QuantizedKVStore:
                              "evicted one by one")
         move_slots(list(self.parts[layer].values()), src, dst, self.block_size)
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor whose dim 0 is the block: a block's codes and scales are its row of each layer's bytes."""
+        return self.raw
+
     def zero_blocks(self, blocks: list[int]) -> None:
         """Clear `blocks` in every layer, codes, scales and residuals (a failed request's, which may hold NaN)."""
         if blocks:

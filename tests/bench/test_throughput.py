@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -169,3 +170,23 @@ def test_bench_throughput_profile_splits_each_kind_of_step(tiny_llama, tmp_path,
         assert 0 < r["kernels"] < 1 and r["forward_other"] >= 0 and r["outside_forward"] > 0
     assert "where the time goes" in capsys.readouterr().out
     assert (llama.Dense.forward, llama.paged_attention, cpu_kernel.paged_decode) == real  # timers removed after
+
+
+@pytest.mark.bench
+def test_bench_offload_tiers_against_hash_alone(tiny_llama, tmp_path, capsys):
+    """multi-turn with a pool that holds about one conversation: the cpu and disk tiers load the blocks hash
+    alone recomputes (same greedy outputs, fewer prefill tokens), side by side in one run."""
+    out = tmp_path / "tiers.json"
+    pool = 12 * 16 * 512  # 12 blocks of the tiny model's 512 bytes per token
+    rc = main(["bench", "throughput", "--model", tiny_llama, "--workload", "multi-turn", "--num-conversations", "4",
+               "--num-turns", "3", "--prefix-len", "64", "--suffix-len", "8", "--output-len", "4",
+               "--prefix-caching-modes", "hash,cpu,disk", "--kv-cache-memory", str(pool),
+               "--kv-offload-dir", str(tmp_path / "tier"), "--json", str(out)])
+    assert rc == 0
+    modes = json.loads(out.read_text())["modes"]
+    for m in ("cpu", "disk"):
+        assert modes[m]["outputs_match_first_mode"]
+        assert modes[m]["offload_loaded_blocks"] > 0 and modes[m]["prefill_reduction_vs_hash"] > 0
+        assert modes[m]["prefill_tokens_computed"] == modes[m]["input_tokens"] - modes[m]["prefix_cache_hits"]
+    assert os.listdir(tmp_path / "tier")  # the given directory is kept
+    assert "tier disk / hash alone" in capsys.readouterr().out

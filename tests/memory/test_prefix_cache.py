@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcache.memory.block_hash import ROOT_HASH, BlockKey, chain_hashes
+from kvcache.memory.block_hash import ROOT_HASH, BlockKey, block_hash, chain_hashes
 from kvcache.memory.block_pool import BlockPool, OutOfBlocksError
 from kvcache.memory.kv_cache_manager import KVCacheManager
 
@@ -647,9 +647,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 assert self.content[b] == list(key.tokens)  # and holds the tokens of its key
                 # the hash chains on from the block before it (while that block still holds its key)
                 if key.parent is None:
-                    assert key.hash == hash((ROOT_HASH, key.tokens, key.extra))
+                    assert key.hash == block_hash(ROOT_HASH, key.tokens, key.extra)
                 elif pool.generation[key.parent[0]] == key.parent[1] and pool.keys[key.parent[0]] is not None:
-                    assert key.hash == hash((pool.keys[key.parent[0]].hash, key.tokens, key.extra))
+                    assert key.hash == block_hash(pool.keys[key.parent[0]].hash, key.tokens, key.extra)
             assert pool.num_cached == sum(k is not None for k in pool.keys)
 
     def teardown(self):
@@ -766,3 +766,16 @@ def test_compaction_writes_in_place_only_blocks_held_alone_and_uncached():
     assert kv.pool.keys[new[0]] is None
     kv.free(0)
     assert kv.num_free_blocks == kv.pool.num_usable
+
+
+def test_block_keys_are_the_same_in_every_process():
+    """SHA-256 chain, no per-process salt: a fresh interpreter (another PYTHONHASHSEED) computes the same keys for
+    the same tokens and cache_salt, so processes sharing an offload tier find each other's blocks."""
+    import subprocess
+    import sys
+    code = ("from kvcache.memory.block_hash import chain_hashes; "
+            "print(chain_hashes(list(range(40)), 16, ('tenant-a',), []))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
+    assert runs == {f"{chain_hashes(list(range(40)), 16, ('tenant-a',), [])}\n"}
+    assert chain_hashes(list(range(40)), 16, ("tenant-b",), []) != chain_hashes(list(range(40)), 16, ("tenant-a",), [])

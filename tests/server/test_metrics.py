@@ -230,3 +230,24 @@ def test_quantized_cache_reports_its_true_bytes(tiny_llama, dtype):
     assert samples(m)["kvcache:kv_blocks{state=used}"] == held
     run_to_end(eng, m)
     eng.check_no_leaks()
+
+
+def test_offload_tier_counters_mirror_the_tiers(tiny_llama, tmp_path):
+    """With a cpu and a disk tier under a 4-block pool, a prompt computed, pushed out and asked again is loaded from
+    the cpu tier: the per-tier counters equal the tiers' own totals, and the loaded blocks are counted."""
+    bpt = LLM(tiny_llama, kv_cache_memory="1MiB").kv_cache_info()["bytes_per_token"]
+    engine = LLM(tiny_llama, kv_cache_memory=6 * 16 * bpt, block_size=16, kv_offload_memory="1MiB",
+                 kv_offload_dir=str(tmp_path)).engine
+    m = ServerMetrics(engine, MODEL)
+    for i, p in enumerate((prompt(70), prompt(70, start=100), prompt(70))):
+        engine.add_request(f"r{i}", p, greedy(2))
+        run_to_end(engine, m)
+        engine.offload.flush()
+    m.on_step([], time.monotonic())
+    s = samples(m)
+    cpu, disk = engine.offload.tiers
+    assert s["kvcache:kv_offload_stored_blocks_total{tier=cpu}"] == cpu.stats.stored == 8  # 4 full blocks each
+    assert s["kvcache:kv_offload_stored_blocks_total{tier=disk}"] == disk.stats.stored == 8
+    assert s["kvcache:kv_offload_hits_total{tier=cpu}"] == cpu.stats.hits > 0
+    assert s["kvcache:kv_offload_loaded_blocks_total"] == engine.offload.loaded_blocks > 0
+    assert s["kvcache:kv_offload_bytes_used{tier=disk}"] == disk.used_bytes > 0

@@ -1,0 +1,221 @@
+"""Keeps prefix blocks beyond the pool: full blocks are written to the tiers as they enter the prefix cache, and
+a prefix lookup that misses in the pool continues in the tiers and loads what it finds instead of recomputing it.
+
+When: a block is stored when it is registered in the prefix cache (write-through), not when the pool evicts it.
+The pool evicts inside an allocation, in the middle of scheduling, and the block's content must be copied out
+before its new owner writes it; write-through copies each block once, right after the step that computed it,
+so a later eviction costs nothing and the tiers already hold what the pool drops. The engine thread only takes
+the snapshot (one gather of the blocks' bytes per step); serializing and writing run on a background thread, and
+a full queue drops the store (counted) rather than wait.
+
+A stored value is self-describing and checked on load: a header (magic, format version, the model fingerprint,
+the block's chain key, its token ids, the payload size), the payload (the block's rows of every per-layer tensor
+of the store: K and V, or codes and scales), and a CRC-32 of all of it. A value whose checks fail is a miss,
+counted as an error, never loaded.
+
+The fingerprint (`model_fingerprint`) scopes every key: the checkpoint's content (file sizes and the SHA-256 of
+their first and last MiB), the compute dtype, weight quantization, KV format and block size, and the store's
+row layout. Blocks of another model or format are never found.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+
+import torch
+
+from kvcache.offload.tiers import CpuTier, DiskTier, Tier
+
+log = logging.getLogger("kvcache")
+
+MAGIC = b"KVCB"
+VERSION = 1
+_HEADER = struct.Struct("<4sHH32s16sIQ")  # magic, version, reserved, fingerprint, chain key, tokens, payload bytes
+
+
+def model_fingerprint(source: str, **fmt) -> bytes:
+    """SHA-256 of the checkpoint's content identity and the KV format (`fmt`: dtypes, block size, layout...)."""
+    files = [source] if os.path.isfile(source) else sorted(
+        os.path.join(source, n) for n in os.listdir(source)
+        if n.endswith((".safetensors", ".bin", ".gguf", ".json")))
+    h = hashlib.sha256(json.dumps(fmt, sort_keys=True, default=str).encode())
+    for path in files:
+        size = os.path.getsize(path)
+        h.update(os.path.basename(path).encode() + size.to_bytes(8, "little"))
+        with open(path, "rb") as f:
+            h.update(f.read(2**20))
+            if size > 2**21:
+                f.seek(size - 2**20)
+                h.update(f.read())
+    return h.digest()
+
+
+def encode_block(fingerprint: bytes, key: int, tokens: tuple[int, ...], payload: bytes) -> bytes:
+    head = _HEADER.pack(MAGIC, VERSION, 0, fingerprint, key.to_bytes(16, "little"), len(tokens), len(payload))
+    body = head + struct.pack(f"<{len(tokens)}q", *tokens) + payload
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def decode_block(value: bytes, fingerprint: bytes, key: int, tokens: tuple[int, ...], payload_bytes: int
+                 ) -> tuple[bytes | None, str]:
+    """(payload, "") if `value` is this block of this model; else (None, why)."""
+    n = _HEADER.size + 8 * len(tokens) + payload_bytes + 4
+    if len(value) != n:
+        return None, "truncated" if len(value) < n else "size"
+    if struct.unpack("<I", value[-4:])[0] != zlib.crc32(memoryview(value)[:-4]):
+        return None, "checksum"
+    magic, version, _, fp, k, n_tok, n_pay = _HEADER.unpack_from(value)
+    if magic != MAGIC or version != VERSION:
+        return None, "version"
+    if fp != fingerprint:
+        return None, "fingerprint"
+    if k != key.to_bytes(16, "little") or n_tok != len(tokens) or n_pay != payload_bytes:
+        return None, "key"
+    if struct.unpack_from(f"<{n_tok}q", value, _HEADER.size) != tuple(tokens):
+        return None, "tokens"
+    start = _HEADER.size + 8 * n_tok
+    return value[start:start + payload_bytes], ""
+
+
+class Offloader:
+    """Stores and loads whole blocks of a KV store (a KVStore or QuantizedKVStore) in `tiers`, top tier first."""
+
+    def __init__(self, store, tiers: list[Tier], fingerprint: bytes, queue_blocks: int = 4096) -> None:
+        if not tiers:
+            raise ValueError("an offloader needs at least one tier")
+        self.tensors: list[torch.Tensor] = store.block_tensors()
+        self.device = self.tensors[0].device
+        self.row_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.block_bytes = sum(self.row_bytes)
+        self.tiers, self.fingerprint = tiers, fingerprint
+        self.loaded_blocks = 0
+        self.load_seconds = 0.0
+        self.dropped = 0  # stores dropped because the writer was behind
+        self.corrupt: dict[str, int] = {}  # reason -> values refused on load
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_blocks))
+        self._writer = threading.Thread(target=self._write_loop, name="kvcache-offload", daemon=True)
+        self._writer.start()
+
+    def key(self, chain_hash: int) -> bytes:
+        return self.fingerprint[:16] + chain_hash.to_bytes(16, "little")
+
+    # ---- store (engine thread: a snapshot; writer thread: the rest) --------------------------------------------
+
+    def store(self, items: list[tuple[int, tuple[int, ...], int]]) -> None:
+        """Queue (chain hash, token ids, block id) of blocks just cached for writing to every tier lacking them."""
+        items = [it for it in items if not all(t.contains(self.key(it[0])) for t in self.tiers)]
+        if not items:
+            return
+        rows = self._read_rows([b for _, _, b in items])
+        try:
+            self._queue.put_nowait(([(h, tok) for h, tok, _ in items], rows))
+        except queue.Full:
+            self.dropped += len(items)
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                blocks, rows = job
+                data = rows.cpu().numpy()
+                for (h, tokens), row in zip(blocks, data):
+                    value = encode_block(self.fingerprint, h, tokens, row.tobytes())
+                    for tier in self.tiers:
+                        tier.put(self.key(h), value)
+            except Exception:  # a bug here must not kill the thread silently: log it and go on
+                log.exception("offload writer failed on a batch of blocks")
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued store is written (tests, benchmarks, shutdown)."""
+        self._queue.join()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._writer.join(timeout)
+
+    # ---- load (engine thread) -----------------------------------------------------------------------------------
+
+    def lookup(self, hashes: list[int], token_ids: list[int], block_size: int, start: int, stop: int) -> list[bytes]:
+        """Payloads of blocks start, start+1, ... (< stop) found in the tiers, up to the first miss. A block found
+        below the top tier is copied into the tiers above it."""
+        found = []
+        for i in range(start, stop):
+            tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
+            key = self.key(hashes[i])
+            payload = None
+            for depth, tier in enumerate(self.tiers):
+                value = tier.get(key)
+                if value is None:
+                    continue
+                payload, why = decode_block(value, self.fingerprint, hashes[i], tokens, self.block_bytes)
+                if payload is None:
+                    tier.stats.error(why)
+                    self.corrupt[why] = self.corrupt.get(why, 0) + 1
+                    continue
+                for upper in self.tiers[:depth]:
+                    upper.put(key, value)
+                break
+            if payload is None:
+                break
+            found.append(payload)
+        return found
+
+    def load(self, blocks: list[int], payloads: list[bytes]) -> None:
+        """Write `payloads` (from lookup) into pool `blocks`, every tensor in one index_copy_."""
+        if not blocks:
+            return
+        t0 = time.perf_counter()
+        rows = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(blocks), self.block_bytes)
+        rows = rows.to(self.device)
+        idx = torch.tensor(blocks, device=self.device)
+        at = 0
+        for t, n in zip(self.tensors, self.row_bytes):
+            part = rows[:, at:at + n].contiguous().view(t.dtype).view(len(blocks), *t.shape[1:])
+            t.index_copy_(0, idx, part)
+            at += n
+        self.loaded_blocks += len(blocks)
+        self.load_seconds += time.perf_counter() - t0
+
+    def _read_rows(self, blocks: list[int]) -> torch.Tensor:
+        """[len(blocks), block_bytes] uint8 snapshot of the blocks (a copy: the pool may reuse them at once)."""
+        idx = torch.tensor(blocks, device=self.device)
+        parts = [t.index_select(0, idx).reshape(len(blocks), -1).view(torch.uint8) for t in self.tensors]
+        return torch.cat(parts, 1)
+
+    def info(self) -> dict:
+        return {"tiers": [t.info() for t in self.tiers], "loaded_blocks": self.loaded_blocks,
+                "load_seconds": self.load_seconds, "dropped_stores": self.dropped, "refused": dict(self.corrupt),
+                "block_bytes": self.block_bytes, "fingerprint": self.fingerprint.hex()[:16]}
+
+
+def offload_tiers(config) -> list[Tier]:
+    """The tiers an EngineConfig asks for, top first (cpu, then disk); [] for none."""
+    tiers: list[Tier] = []
+    if config.kv_offload_memory is not None:
+        tiers.append(CpuTier(config.kv_offload_memory))
+    if config.kv_offload_dir is not None:
+        tiers.append(DiskTier(config.kv_offload_dir, config.kv_offload_disk_size))
+    if tiers and not config.enable_prefix_caching:
+        raise ValueError("the KV offload tiers hold prefix-cache blocks: they need prefix caching (drop "
+                         "--no-enable-prefix-caching)")
+    return tiers
+
+
+def make_offloader(tiers: list[Tier], store, source: str, **fmt) -> Offloader | None:
+    """An Offloader over `tiers` for `store`, keyed by the fingerprint of `source` and `fmt`; None without tiers."""
+    if not tiers:
+        return None
+    layout = [(str(t.dtype), tuple(t.shape[1:])) for t in store.block_tensors()]
+    return Offloader(store, tiers, model_fingerprint(source, layout=layout, **fmt))

@@ -1,0 +1,212 @@
+"""Storage tiers below the engine's block pool: host memory and a directory.
+
+A tier maps a key (bytes: a model fingerprint and a block's chain hash, see offloader.py) to a value (bytes: one
+serialized block). Each has a capacity in bytes and drops its least recently used values to stay under it. I/O
+faults never propagate: a failed put is dropped and a failed get is a miss, both counted by reason in `stats`.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TierStats:
+    hits: int = 0  # gets that found a value
+    misses: int = 0  # gets that found none
+    stored: int = 0  # values put
+    bytes_in: int = 0  # bytes put
+    bytes_out: int = 0  # bytes got
+    errors: dict[str, int] = field(default_factory=dict)  # reason -> count (write, read, too_large, corrupt, ...)
+
+    def error(self, reason: str) -> None:
+        self.errors[reason] = self.errors.get(reason, 0) + 1
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+
+class Tier:
+    """What every tier offers. Methods are called from the engine thread and from the offloader's writer thread:
+    each tier guards its own index."""
+
+    name = "tier"
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"a {self.name} tier needs a positive capacity, got {capacity} bytes")
+        self.capacity = capacity
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> value bytes, least recently used first
+        self.used_bytes = 0
+
+    def get(self, key: bytes) -> bytes | None:
+        raise NotImplementedError
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        raise NotImplementedError
+
+    def contains(self, key: bytes) -> bool:
+        raise NotImplementedError
+
+    def info(self) -> dict:
+        s = self.stats
+        return {"tier": self.name, "capacity_bytes": self.capacity, "used_bytes": self.used_bytes,
+                "blocks": len(self._index), "hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate,
+                "stored_blocks": s.stored, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "errors": dict(s.errors)}
+
+    def _admit(self, key: bytes, size: int) -> list[bytes]:
+        """Account a new value (under the lock); returns the keys dropped to make room, oldest first."""
+        self._index[key] = size
+        self.used_bytes += size
+        dropped = []
+        while self.used_bytes > self.capacity and len(self._index) > 1:
+            old, n = self._index.popitem(last=False)
+            self.used_bytes -= n
+            dropped.append(old)
+        return dropped
+
+
+class CpuTier(Tier):
+    """Values in host memory (`--kv-offload-memory`)."""
+
+    name = "cpu"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._values: dict[bytes, bytes] = {}
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._lock:
+            value = self._values.get(key)
+            if value is None:
+                self.stats.misses += 1
+                return None
+            self._index.move_to_end(key)
+            self.stats.hits += 1
+            self.stats.bytes_out += len(value)
+            return value
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._values
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        with self._lock:
+            if key in self._values:
+                self._index.move_to_end(key)
+                return True
+            if len(value) > self.capacity:
+                self.stats.error("too_large")
+                return False
+            self._values[key] = value
+            for old in self._admit(key, len(value)):
+                del self._values[old]
+            self.stats.stored += 1
+            self.stats.bytes_in += len(value)
+            return True
+
+
+class DiskTier(Tier):
+    """One file per block in a directory (`--kv-offload-dir`, `--kv-offload-disk-size`).
+
+    Writes go to a temporary file in the same directory, renamed over the final name (atomic on POSIX), so
+    processes sharing the directory never read a half-written block; a reader that loses a race with a deletion
+    sees a miss. Each process accounts the capacity for the files it wrote or found at start-up (oldest
+    modification first), so several writers may together exceed it by what each wrote since."""
+
+    name = "disk"
+    SUFFIX = ".kvb"
+
+    def __init__(self, path: str, capacity: int) -> None:
+        super().__init__(capacity)
+        self.path = os.path.abspath(os.path.expanduser(path))
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=self.path, prefix=".probe-")
+            os.close(fd)
+            os.remove(probe)
+        except OSError as e:
+            raise ValueError(f"kv_offload_dir {path!r} cannot be written: {e.strerror or e}") from None
+        found = []
+        for entry in os.scandir(self.path):
+            if entry.name.endswith(self.SUFFIX) and entry.is_file():
+                st = entry.stat()
+                found.append((st.st_mtime, bytes.fromhex(entry.name[:-len(self.SUFFIX)]), st.st_size))
+        for _, key, size in sorted(found):
+            for old in self._admit(key, size):
+                self._remove(old)
+
+    def _file(self, key: bytes) -> str:
+        return os.path.join(self.path, key.hex() + self.SUFFIX)
+
+    def _remove(self, key: bytes) -> None:
+        try:
+            os.remove(self._file(key))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            self.stats.error("delete")
+
+    def contains(self, key: bytes) -> bool:
+        return os.path.exists(self._file(key))
+
+    def get(self, key: bytes) -> bytes | None:
+        try:
+            with open(self._file(key), "rb") as f:
+                value = f.read()
+        except FileNotFoundError:
+            with self._lock:
+                self.stats.misses += 1
+            return None
+        except OSError:
+            with self._lock:
+                self.stats.misses += 1
+                self.stats.error("read")
+            return None
+        try:
+            os.utime(self._file(key))  # least recently used is by modification time, for every process
+        except OSError:
+            pass
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+            self.stats.hits += 1
+            self.stats.bytes_out += len(value)
+        return value
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        if len(value) > self.capacity:
+            with self._lock:
+                self.stats.error("too_large")
+            return False
+        if self.contains(key):
+            return True
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(value)
+            os.replace(tmp, self._file(key))
+        except OSError as e:
+            if tmp is not None:
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass
+            with self._lock:
+                self.stats.error("disk_full" if e.errno == errno.ENOSPC else "write")
+            return False
+        with self._lock:
+            dropped = self._admit(key, len(value))
+            self.stats.stored += 1
+            self.stats.bytes_in += len(value)
+        for old in dropped:
+            self._remove(old)
+        return True
