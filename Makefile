@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install demo test bench eval eval-eviction gpu-check clean
+.PHONY: install services demo test bench eval eval-eviction gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +16,15 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The tests start their own redis-server (the offload tier's); install Debian's when it is missing.
+services:
+	@command -v redis-server >/dev/null || { echo "installing redis-server (the tests start one)"; \
+		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q redis-server; else sudo apt-get install -y -q redis-server; fi; }
+
 demo: install
 	$(VENV)/bin/kvcache chat --message "In three sentences, what does a KV cache store and why does it grow?" --max-tokens 128
 
-test: install
+test: install services
 	$(PY) -m pytest -q
 
 bench: install

@@ -55,6 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-offload-dir", default=None,
                    help="keep prefix blocks in this directory too (the disk tier; processes may share it)")
     p.add_argument("--kv-offload-disk-size", default=None, help="the disk tier's size (default 10GiB)")
+    p.add_argument("--kv-remote", default=None, help="a Redis or Valkey server, redis://host:port/db, shared by "
+                   "every engine that uses it (the redis tier, below cpu and disk)")
+    p.add_argument("--kv-remote-timeout", type=float, default=0.5, help="seconds for each call to --kv-remote")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

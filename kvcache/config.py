@@ -96,6 +96,8 @@ class EngineConfig:
     kv_offload_memory: int | str | None = None  # bytes of host memory ('8GiB'); None = no cpu tier
     kv_offload_dir: str | None = None  # a directory, shareable between processes; None = no disk tier
     kv_offload_disk_size: int | str | None = None  # bytes on disk; default 10GiB when a directory is given
+    kv_remote: str | None = None  # redis://host:port/db: a Redis/Valkey tier shared between processes and machines
+    kv_remote_timeout: float = 0.5  # seconds, every call to kv_remote
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -144,6 +146,10 @@ class EngineConfig:
             raise ValueError("kv_offload_disk_size needs kv_offload_dir: the directory the disk tier writes to")
         if self.kv_offload_dir is not None:
             self.kv_offload_disk_size = _offload_bytes("kv_offload_disk_size", self.kv_offload_disk_size or "10GiB")
+        if self.kv_remote is not None and not str(self.kv_remote).startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_remote must be a redis://, rediss:// or unix:// URL; got {self.kv_remote!r}")
+        if not (isinstance(self.kv_remote_timeout, (int, float)) and 0 < self.kv_remote_timeout <= 60):
+            raise ValueError(f"kv_remote_timeout must be in (0, 60] seconds; got {self.kv_remote_timeout!r}")
         if self.attention_backend not in ("auto", "triton", "torch", "cpu"):
             raise ValueError(f"attention_backend must be one of auto, triton, torch, cpu; got {self.attention_backend!r}")
 

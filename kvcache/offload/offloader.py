@@ -31,7 +31,7 @@ import zlib
 
 import torch
 
-from kvcache.offload.tiers import CpuTier, DiskTier, Tier
+from kvcache.offload.tiers import CpuTier, DiskTier, RedisTier, Tier
 
 log = logging.getLogger("kvcache")
 
@@ -201,12 +201,14 @@ class Offloader:
 
 
 def offload_tiers(config) -> list[Tier]:
-    """The tiers an EngineConfig asks for, top first (cpu, then disk); [] for none."""
+    """The tiers an EngineConfig asks for, top first (cpu, disk, redis); [] for none."""
     tiers: list[Tier] = []
     if config.kv_offload_memory is not None:
         tiers.append(CpuTier(config.kv_offload_memory))
     if config.kv_offload_dir is not None:
         tiers.append(DiskTier(config.kv_offload_dir, config.kv_offload_disk_size))
+    if config.kv_remote is not None:
+        tiers.append(RedisTier(config.kv_remote, timeout=config.kv_remote_timeout))
     if tiers and not config.enable_prefix_caching:
         raise ValueError("the KV offload tiers hold prefix-cache blocks: they need prefix caching (drop "
                          "--no-enable-prefix-caching)")

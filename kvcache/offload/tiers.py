@@ -1,4 +1,4 @@
-"""Storage tiers below the engine's block pool: host memory and a directory.
+"""Storage tiers below the engine's block pool: host memory, a directory, and a Redis (or Valkey) server.
 
 A tier maps a key (bytes: a model fingerprint and a block's chain hash, see offloader.py) to a value (bytes: one
 serialized block). Each has a capacity in bytes and drops its least recently used values to stay under it. I/O
@@ -10,6 +10,7 @@ import errno
 import os
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -210,3 +211,103 @@ class DiskTier(Tier):
         for old in dropped:
             self._remove(old)
         return True
+
+
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+class RedisTier(Tier):
+    """Values in a Redis or Valkey server (`--kv-remote redis://host:port/db`), shared by every engine process and
+    machine that uses it. Redis keeps its own size (maxmemory and its eviction policy); `capacity` here only bounds
+    the one value a put may send.
+
+    Every call has a timeout (`timeout` seconds, connect and socket). A failed call is counted, and the tier is
+    then skipped for `backoff` seconds, so a server that is down costs a step at most one timeout per backoff
+    interval, not one per block; after it, the next call tries again, and a server that came back is used again.
+    `contains` answers from the keys this process put or found (no round trip on the engine thread); the writer
+    sends SET NX, so a value another process stored is not sent twice."""
+
+    name = "redis"
+    PREFIX = b"kvcache:block:"
+
+    def __init__(self, url: str, timeout: float = 0.5, backoff: float = 5.0, capacity: int = 512 * 2**20) -> None:
+        super().__init__(capacity)
+        if not url.startswith(REMOTE_SCHEMES):
+            raise ValueError(f"kv_remote must be a redis://, rediss:// or unix:// URL; got {url!r}")
+        import redis
+        self._errors = (redis.RedisError, OSError)
+        self.url, self.timeout, self.backoff = url, timeout, backoff
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._down_until = 0.0
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # keys seen present, most recent last
+
+    def _up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self) -> None:
+        with self._lock:
+            self.stats.error("unavailable")
+            self._down_until = time.monotonic() + self.backoff
+
+    def _know(self, key: bytes) -> None:
+        with self._lock:
+            self._known[key] = None
+            self._known.move_to_end(key)
+            while len(self._known) > 1_000_000:
+                self._known.popitem(last=False)
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._known
+
+    def get(self, key: bytes) -> bytes | None:
+        if not self._up():
+            with self._lock:
+                self.stats.misses += 1
+            return None
+        try:
+            value = self.client.get(self.PREFIX + key)
+        except self._errors:
+            self._failed()
+            with self._lock:
+                self.stats.misses += 1
+            return None
+        with self._lock:
+            if value is None:
+                self.stats.misses += 1
+                self._known.pop(key, None)
+                return None
+            self.stats.hits += 1
+            self.stats.bytes_out += len(value)
+        self._know(key)
+        return value
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        if len(value) > self.capacity:
+            with self._lock:
+                self.stats.error("too_large")
+            return False
+        if self.contains(key):
+            return True
+        if not self._up():
+            with self._lock:
+                self.stats.error("skipped")
+            return False
+        try:
+            new = self.client.set(self.PREFIX + key, value, nx=True)
+        except self._errors:
+            self._failed()
+            return False
+        with self._lock:
+            if new:
+                self.stats.stored += 1
+                self.stats.bytes_in += len(value)
+                self.used_bytes += len(value)
+        self._know(key)
+        return True
+
+    def info(self) -> dict:
+        out = super().info()
+        out["blocks"] = len(self._known)
+        out["url"] = self.url
+        return out

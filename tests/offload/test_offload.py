@@ -169,3 +169,55 @@ def test_the_kv_summary_shows_each_tier(tiny_llama, tmp_path, capsys):
     print_kv_summary(llm.engine)
     out = capsys.readouterr().out
     assert "tier cpu  : 14 blocks" in out and "tier disk : 14 blocks" in out and "offload   : 0 blocks loaded" in out
+
+
+# ---- the redis tier (a real redis-server) ---------------------------------------------------------------------
+
+
+def test_two_engines_share_prefix_blocks_through_redis(tiny_llama, redis_server):
+    """Engine A computes a document; engine B (nothing shared but the server) loads it instead of recomputing,
+    with the same greedy tokens as computing it."""
+    doc = _conversations(n=1, system=200, own=40)[0]
+    a = LLM(tiny_llama, kv_remote=redis_server.url)
+    want = a.generate([{"prompt_token_ids": doc + [9]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    a.engine.offload.flush()
+    assert a.kv_cache_info()["offload"]["tiers"][0]["stored_blocks"] == 240 // 16
+    b = LLM(tiny_llama, kv_remote=redis_server.url)
+    got = b.generate([{"prompt_token_ids": doc + [9]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    info = b.kv_cache_info()
+    assert got == want and info["offload"]["loaded_blocks"] == 240 // 16
+    assert info["prefill_tokens_computed"] == 241 - 240
+    assert info["offload"]["tiers"][0]["tier"] == "redis" and info["offload"]["tiers"][0]["hits"] == 15
+
+
+def test_redis_going_away_and_coming_back(tiny_llama, redis_server):
+    """Redis stopped mid-run: requests still finish (recomputed), the failure is counted and the tier backs off
+    instead of failing on every block; once it is back and the backoff is over, it is used again."""
+    convs = _conversations(n=3)
+    llm = LLM(tiny_llama, kv_remote=redis_server.url, kv_remote_timeout=0.2)
+    tier = llm.engine.offload.tiers[0]
+    tier.backoff = 60.0  # longer than the test: the counts below do not depend on how fast it runs
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama).generate(
+        [{"prompt_token_ids": c} for c in convs], GREEDY, use_tqdm=False)]
+    redis_server.stop()
+    got = llm.generate([{"prompt_token_ids": c} for c in convs], GREEDY, use_tqdm=False)
+    llm.engine.offload.flush()
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert 1 <= tier.stats.errors["unavailable"] <= 2  # the engine's and the writer's first calls; then the backoff
+    assert tier.stats.errors["skipped"] > 0 and tier.stats.stored == 0
+    redis_server.start()
+    tier._down_until = 0.0  # the backoff is over
+    fresh = _conversations(n=1, seed=7)[0]
+    llm.generate([{"prompt_token_ids": fresh}], GREEDY, use_tqdm=False)
+    llm.engine.offload.flush()
+    assert tier.stats.stored == len(fresh) // 16
+    other = LLM(tiny_llama, kv_remote=redis_server.url)
+    other.generate([{"prompt_token_ids": fresh}], GREEDY, use_tqdm=False)
+    assert other.kv_cache_info()["offload"]["loaded_blocks"] == (len(fresh) - 1) // 16
+
+
+def test_a_bad_remote_url_is_refused_before_loading():
+    with pytest.raises(ValueError, match="redis://"):
+        EngineConfig(kv_remote="http://cache:6379")
+    with pytest.raises(ValueError, match="kv_remote_timeout"):
+        EngineConfig(kv_remote="redis://localhost:6379/0", kv_remote_timeout=0)
