@@ -58,6 +58,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-remote", default=None, help="a Redis or Valkey server, redis://host:port/db, shared by "
                    "every engine that uses it (the redis tier, below cpu and disk)")
     p.add_argument("--kv-remote-timeout", type=float, default=0.5, help="seconds for each call to --kv-remote")
+    p.add_argument("--kv-events-endpoint", default=None,
+                   help="publish KV cache events (vLLM's BlockStored/BlockRemoved/AllBlocksCleared, msgpack over "
+                        "ZeroMQ PUB) for KV-aware routers: tcp://*:5557 binds; tcp://host:port connects")
+    p.add_argument("--kv-events-topic", default="", help="the ZeroMQ topic of the KV events (default: none)")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="recompute: a preempted request's KV is freed and prefilled again when it resumes; swap: it "
+                        "goes to the cpu tier (--kv-offload-memory), else the disk tier, and comes back (recompute "
+                        "when the tier is full)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -120,6 +128,13 @@ def print_kv_summary(engine, out=None) -> None:
                                                                            if errors else ""), file=out)
         print(f"offload   : {o['loaded_blocks']:,} blocks loaded into the pool instead of recomputed, in "
               f"{o['load_seconds'] * 1e3:.1f} ms", file=out)
+    if info["preemption_mode"] == "swap":
+        print(f"swap      : {info['num_swapped_out']:,} preemptions swapped out to the {info['offload']['swap_tier']} tier, "
+              f"{info['num_swapped_in']:,} resumed from it, {info['num_swap_fallbacks']:,} recomputed instead", file=out)
+    if info["kv_events"]:
+        e = info["kv_events"]
+        print(f"kv events : {e['published_events']:,} events in {e['published_batches']:,} batches to {e['endpoint']}"
+              + (f"; {e['failed_batches']} batches failed" if e["failed_batches"] else ""), file=out)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -98,6 +98,14 @@ class EngineConfig:
     kv_offload_disk_size: int | str | None = None  # bytes on disk; default 10GiB when a directory is given
     kv_remote: str | None = None  # redis://host:port/db: a Redis/Valkey tier shared between processes and machines
     kv_remote_timeout: float = 0.5  # seconds, every call to kv_remote
+    # What a preempted sequence loses: recompute (its blocks are freed, its tokens prefilled again on resume) or
+    # swap (its blocks' contents go to the cpu tier, else the disk tier, and come back on resume; recompute when
+    # the tier has no room)
+    preemption_mode: str = "recompute"
+    # KV events for routers (vLLM's format over ZeroMQ, engine/kv_events.py): tcp://*:5557 binds, tcp://host:port
+    # connects to a subscriber that binds; None = none published
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -150,6 +158,15 @@ class EngineConfig:
             raise ValueError(f"kv_remote must be a redis://, rediss:// or unix:// URL; got {self.kv_remote!r}")
         if not (isinstance(self.kv_remote_timeout, (int, float)) and 0 < self.kv_remote_timeout <= 60):
             raise ValueError(f"kv_remote_timeout must be in (0, 60] seconds; got {self.kv_remote_timeout!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap; got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.kv_offload_memory is None and self.kv_offload_dir is None:
+            raise ValueError("preemption_mode swap keeps a preempted sequence's KV in an offload tier: give "
+                             "--kv-offload-memory SIZE (host memory) or --kv-offload-dir PATH (disk)")
+        if self.kv_events_endpoint is not None and not str(self.kv_events_endpoint).startswith(
+                ("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"kv_events_endpoint must be a ZeroMQ endpoint (tcp://*:5557, tcp://host:port, ipc://path);"
+                             f" got {self.kv_events_endpoint!r}")
         if self.attention_backend not in ("auto", "triton", "torch", "cpu"):
             raise ValueError(f"attention_backend must be one of auto, triton, torch, cpu; got {self.attention_backend!r}")
 

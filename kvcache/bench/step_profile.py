@@ -60,9 +60,9 @@ class StepProfile:
         return wrapper
 
     def execute(self, fn):
-        def wrapper(chunks, copies):
+        def wrapper(chunks):
             self._kind = bucket(chunks)
-            return fn(chunks, copies)
+            return fn(chunks)
         return wrapper
 
     def table(self) -> dict:

@@ -90,6 +90,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "of each user message)")
     p.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations")
     p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--preemption-modes", default=None,
+                   help="random workload: run these of recompute, swap one after the other (with a --kv-cache-memory "
+                        "too small for the workload) and compare them; swap uses --kv-offload-memory (default 4GiB)")
 
 
 def _result(work: Workload, elapsed: float, peak: int) -> dict:
@@ -98,7 +101,7 @@ def _result(work: Workload, elapsed: float, peak: int) -> dict:
             "requests_per_s": len(work.prompts) / elapsed, "peak_memory_bytes": peak}
 
 
-def run_kvcache(args: argparse.Namespace, work: Workload, device: str) -> dict:
+def run_kvcache(args: argparse.Namespace, work: Workload, device: str, keep_outputs: bool = False) -> dict:
     from kvcache.engine.llm import LLM
     from kvcache.engine.sampling_params import SamplingParams
     with PeakMemory(device) as rss:
@@ -114,7 +117,10 @@ def run_kvcache(args: argparse.Namespace, work: Workload, device: str) -> dict:
     llm.engine.check_no_leaks()
     info = llm.kv_cache_info()
     res = _result(work, elapsed, rss.peak)
-    res["num_preemptions"] = info["num_preemptions"]
+    for key in ("num_preemptions", "num_swapped_in", "num_swap_fallbacks", "prefill_tokens_computed"):
+        res[key] = info[key]
+    if keep_outputs:
+        res["outputs"] = [o.outputs[0].token_ids for o in outs]
     res["kv_cache_bytes"] = info["total_bytes"]
     res["weight_bytes"] = info["weight_bytes"]
     res["kv_bytes_per_token"] = info["bytes_per_token"]
@@ -163,6 +169,11 @@ def run_hf(model_path: str | None, work: Workload, batch_size: int, device: str,
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.preemption_modes:
+        from kvcache.bench.preemption import parse_modes
+        parse_modes(args.preemption_modes)  # refused before any work
+        if args.workload != "random":
+            raise ValueError("--preemption-modes runs the random workload; drop --workload or --preemption-modes")
     if args.workload != "random":
         from kvcache.bench.prefix_sharing import run as run_prefix_sharing
         return run_prefix_sharing(args)
@@ -189,7 +200,12 @@ def run(args: argparse.Namespace) -> int:
         "dtype": str(dtype).removeprefix("torch."),
         "kv_cache_dtype": str(dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
     }
-    results["kvcache"] = run_kvcache(args, work, str(device))
+    if args.preemption_modes:
+        from kvcache.bench.preemption import print_table as print_preemption, run_modes
+        results["preemption_modes"] = run_modes(args, work, str(device), run_kvcache)
+        results["kvcache"] = next(iter(results["preemption_modes"].values()))
+    else:
+        results["kvcache"] = run_kvcache(args, work, str(device))
     if args.baseline == "hf":
         sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
         by_size = {bs: run_hf(args.model, work, bs, str(device), dtype) for bs in sizes}
@@ -213,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
     if "hf" in results:
         results["hf"]["roofline_fraction"] = min_time / results["hf"]["elapsed_s"]
     _print_table(results)
+    if "preemption_modes" in results:
+        print_preemption(results["preemption_modes"])
     if "profile" in results["kvcache"]:
         print_profile(results["kvcache"]["profile"])
     if args.json:

@@ -21,6 +21,7 @@ from kvcache.attention.backend import resolve_backend
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
 from kvcache.engine.eviction import Evictor, seq_chunk
+from kvcache.engine.kv_events import ZmqEventPublisher
 from kvcache.engine.model_runner import ModelRunner
 from kvcache.engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, request_output
 from kvcache.engine.sampler import SamplingRow, sample
@@ -31,6 +32,7 @@ from kvcache.engine.sizing import kv_capacity, resolve_device_dtype, slow_half_p
 from kvcache.engine.stop_checker import StopChecker
 from kvcache.memory.block_pool import OutOfBlocksError
 from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
+from kvcache.memory.kv_events import KVEventLog
 from kvcache.messages import describe
 from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
 from kvcache.models.llama import layer_windows
@@ -97,17 +99,20 @@ class LLMEngine:
             raise ValueError(f"quantization {config.quantization} runs on the CPU only (its kernel is a CPU one); "
                              "use --quantization none on CUDA")
         tiers = offload_tiers(config)  # before the model loads: an unwritable directory is refused first
+        self.kv_events = KVEventLog(config.block_size) if config.kv_events_endpoint else None
+        self.event_publisher = ZmqEventPublisher(self.kv_events, config.kv_events_endpoint, config.kv_events_topic) \
+            if self.kv_events else None  # before the model loads too: an endpoint in use is refused first
         self.model = build_model(loaded, self.max_model_len, self.device, self.dtype, config.quantization)
         self.budget, self.capacity = kv_capacity(config, self.device, self.model, self.shape, self.kv_dtype,
                                                  self.max_model_len, self.backend)
         # One more physical block than the budget buys: block 0, the null block that pads tables.
         self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size,
                                  config.prefix_caching_algo if config.enable_prefix_caching else None,
-                                 seq_blocks=self.capacity.seq_blocks)
+                                 seq_blocks=self.capacity.seq_blocks, events=self.kv_events)
         self.store = make_store(self.shape.num_layers, self.capacity.num_blocks + 1, config.block_size,
                                 self.shape.num_kv_heads, self.shape.head_dim, self.kv_dtype, self.dtype, self.device,
                                 self.capacity.bytes_per_token)
-        self.offload = make_offloader(tiers, self.store, loaded.source, compute=str(self.dtype), kv=self.kv_dtype,
+        self.offload = make_offloader(tiers, self.store, loaded.source, self.kv_events, compute=str(self.dtype), kv=self.kv_dtype,
                                       block_size=config.block_size, quantization=config.quantization)
         self.scheduler = Scheduler(config, self.kv, self.offload)
         if self.backend == "triton" and hasattr(self.store, "raw"):
@@ -121,8 +126,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
-        self._pending_copies: list[tuple[int, int]] = []  # block copies of this step's forks, made next step
-        self._copy_owners: set[str] = set()  # the requests of those forks
         self._failed: set[str] = set()  # requests failed in this step (they are among its outputs)
         self._consecutive_failures = 0  # steps in a row that failed with no request to blame
         self.stop = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -290,11 +293,18 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return outputs (see the class docstring). A request that
         fails in this step is among the outputs, finished, with finish_reason "error" (the module docstring).
         Raises EngineDeadError after MAX_CONSECUTIVE_FAILURES steps in a row failed with no request to blame."""
+        try:
+            return self._step()
+        finally:
+            if self.event_publisher is not None:
+                self.event_publisher.notify()  # the step's KV events go out as one batch
+
+    @torch.inference_mode()
+    def _step(self) -> list[RequestOutput]:
         self._failed = set()
         try:
             sched = self.scheduler.schedule()
@@ -307,18 +317,16 @@ class LLMEngine:
                 self._fail(self.requests[seq.request_id], "the request cannot be scheduled: its blocks do not fit "
                            "in the free KV pool", RuntimeError("scheduler made no progress"))
             return self._collect_outputs(set())
-        copies, self._pending_copies = self._pending_copies, []
-        copy_owners, self._copy_owners = self._copy_owners, set()
         try:
-            touched = self._run(sched.chunks, copies)
+            touched = self._run(sched.chunks)
         except Exception as e:  # the forward, or a fault outside any one request's share of the step
             self.runner.captured = []
-            self._batch_failed([seq for seq, _ in sched.chunks], e, copy_owners)
+            self._batch_failed([seq for seq, _ in sched.chunks], e)
             return self._collect_outputs(set())
         self._consecutive_failures = 0
         return self._collect_outputs(touched)
 
-    def _run(self, chunks: list[tuple[Sequence, int]], copies: list[tuple[int, int]]) -> set[str]:
+    def _run(self, chunks: list[tuple[Sequence, int]]) -> set[str]:
         """The forward of the scheduled `chunks`, then each sequence's bookkeeping (prefix caching, eviction,
         sampling, stop checks), isolated per request; returns the requests that got tokens."""
         now = time.monotonic()
@@ -330,9 +338,9 @@ class LLMEngine:
                 self.stats.prefill_tokens_computed += n
         loads, self.scheduler.loads = self.scheduler.loads, []
         if loads:
-            self.offload.load([b for blocks, _ in loads for b in blocks], [p for _, ps in loads for p in ps])
-        sampled, logits, specs = self.runner.execute(chunks, copies)
-        to_store: list[tuple[int, tuple[int, ...], int]] = []
+            self.offload.load(loads)
+        sampled, logits, specs = self.runner.execute(chunks)
+        to_store: list[tuple[int, int | None, tuple[int, ...], int]] = []
         for seq, n in chunks:
             seq.num_computed_tokens += n
             self._isolated(seq, "caching its prefix blocks", self._cache_blocks, seq, to_store)
@@ -376,11 +384,11 @@ class LLMEngine:
         """Free a failed sequence's blocks, zeroing those nobody else holds (see KVCacheManager.release_scrubbed)."""
         self.store.zero_blocks(self.kv.release_scrubbed(seq_id))
 
-    def _batch_failed(self, seqs: list[Sequence], exc: Exception, also: set[str] = frozenset()) -> None:
-        """A failure no single request explains: fail the requests of `seqs` and `also`, or give up after
+    def _batch_failed(self, seqs: list[Sequence], exc: Exception) -> None:
+        """A failure no single request explains: fail the requests of `seqs`, or give up after
         MAX_CONSECUTIVE_FAILURES in a row."""
         self._consecutive_failures += 1
-        rids = sorted({s.request_id for s in seqs} | also)
+        rids = sorted({s.request_id for s in seqs})
         log.error("step failed (%d in a row); failing its %d requests: %s", self._consecutive_failures, len(rids),
                   ", ".join(rids), exc_info=exc)
         for rid in rids:
@@ -391,15 +399,16 @@ class LLMEngine:
             raise EngineDeadError(f"{self._consecutive_failures} steps in a row failed with no request to blame; "
                                   f"the last: {type(exc).__name__}: {exc}") from exc
 
-    def _cache_blocks(self, seq: Sequence, to_store: list[tuple[int, tuple[int, ...], int]]) -> None:
+    def _cache_blocks(self, seq: Sequence, to_store: list[tuple[int, int | None, tuple[int, ...], int]]) -> None:
         """Register the sequence's newly computed full blocks in the prefix cache; with offload tiers, add them to
-        `to_store` as (chain hash, token ids, block)."""
+        `to_store` as (chain hash, its parent's, token ids, block)."""
         new = self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.extra_key)
         if self.offload is None or not new:
             return
         bs, table = self.kv.block_size, self.kv.block_tables[seq.seq_id]
         hashes = self.kv.block_hashes(seq.seq_id, seq.token_ids, seq.extra_key)
-        to_store.extend((hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]), table[i]) for i in new)
+        to_store.extend((hashes[i], hashes[i - 1] if i else None, tuple(seq.token_ids[i * bs:(i + 1) * bs]), table[i])
+                        for i in new)
 
     def _sample_and_append(self, sampled: list[Sequence], logits: torch.Tensor) -> set[str]:
         seqs, rows, forks = self._sampling_rows(sampled)
@@ -413,12 +422,14 @@ class LLMEngine:
                 continue
             child.num_computed_tokens = parent.num_computed_tokens
             try:
-                self._pending_copies += self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
-                self._copy_owners.add(child.request_id)
-                self.scheduler.add_running(child)
+                copies = self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
             except OutOfBlocksError:
                 child.num_computed_tokens = 0  # no block for its copy: recompute it later
                 self.scheduler.add(child)
+                continue
+            # Copied now, before anything can preempt the child: a swap-out reads its blocks as they are.
+            self.scheduler.add_running(child)
+            self._isolated(child, "copying the KV blocks of its sample", self.store.copy_blocks, copies)
         now = time.monotonic()
         touched = set()
         for seq, (token, lp) in zip(seqs, tokens):
@@ -586,7 +597,9 @@ class LLMEngine:
             "formula": kv_formula(self.shape, self.kv_dtype),
             "free_blocks": free, "used_blocks": kv.pool.num_usable - free,
             "usage": 1 - free / kv.pool.num_usable, "peak_used_blocks": self.stats.peak_used_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
+            "num_preemptions": self.scheduler.num_preemptions, "preemption_mode": self.config.preemption_mode,
+            "num_swapped_out": self.scheduler.num_swapped_out, "num_swapped_in": self.scheduler.num_swapped_in,
+            "num_swap_fallbacks": self.scheduler.num_swap_fallbacks,
             "prefix_caching": kv.prefix_caching, "prefix_cache_queries": kv.stats.queries,
             "prefix_cache_hits": kv.stats.hits, "prefix_cache_hit_rate": kv.stats.hit_rate,
             "cached_blocks": kv.num_cached_blocks, "prefix_cache_evictions": kv.num_evictions,
@@ -595,7 +608,16 @@ class LLMEngine:
             "eviction_compactions": self.evictor.stats.compactions,
             "prefill_tokens_computed": self.stats.prefill_tokens_computed,
             "offload": self.offload.info() if self.offload else None,
+            "kv_events": self.event_publisher.info() if self.event_publisher else None,
         }
+
+    def close(self) -> None:
+        """Write what the offload tiers still have queued and publish the last KV events; the engine must not be
+        stepped afterwards. Idempotent."""
+        if self.offload is not None:
+            self.offload.close()
+        if self.event_publisher is not None:
+            self.event_publisher.close()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block; returns how many. Refused (RuntimeError) while requests run,

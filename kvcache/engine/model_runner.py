@@ -35,11 +35,9 @@ class ModelRunner:
         if store.kivi_group:
             self.kivi = KiviLayout(store.kivi_group, store.num_kv_heads * store.head_dim, store.row_elems)
 
-    def execute(self, chunks: list[tuple[Sequence, int]], block_copies: list[tuple[int, int]]
-                ) -> tuple[list[Sequence], torch.Tensor, list[SeqChunk]]:
+    def execute(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor, list[SeqChunk]]:
         """Run one step. Returns the sequences that reached their last token, their fp32 logits [n, vocab], and
         the step's chunks (one per scheduled sequence; `self.captured` holds the queries eviction asked for)."""
-        self.store.copy_blocks(block_copies)
         specs, sampled = [], []
         for seq, n in chunks:
             start = seq.num_computed_tokens

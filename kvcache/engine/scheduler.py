@@ -7,7 +7,10 @@ served (`fcfs`), or longest cached prefix first (`lpm`, SGLang's policy; FCFS ab
 LPM_MAX_QUEUE waiting), which also holds back a prompt whose next block another prompt
 admitted in the same step is computing, so that it can share it one step later. When the
 pool runs dry the most recently admitted sequence is preempted: its blocks are freed
-(cached ones stay findable) and it waits to be recomputed. No tensors here.
+(cached ones stay findable) and it waits at the head of the queue to be recomputed, or, with
+`preemption_mode` swap, to have its blocks' contents loaded back from the offload tier that
+kept them (recomputed after all if the tier had no room). No tensors here: the offloader moves
+the bytes.
 """
 from __future__ import annotations
 
@@ -17,13 +20,22 @@ from dataclasses import dataclass, field
 
 from kvcache.config import EngineConfig
 from kvcache.engine.sequence import Sequence, SequenceStatus
-from kvcache.memory.kv_cache_manager import KVCacheManager
+from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
 
 # Blocks kept free when admitting new work, so that running sequences can grow for a
 # while without preempting what was just admitted (vLLM's watermark is 1%).
 WATERMARK_FRACTION = 0.01
 # Above this many waiting requests `lpm` falls back to FCFS: matching every prompt each step costs too much.
 LPM_MAX_QUEUE = 128
+
+
+@dataclass(slots=True)
+class Swapped:
+    """A preempted sequence whose blocks' contents the offloader keeps (swap)."""
+
+    computed: int  # its num_computed_tokens when it was preempted
+    table_blocks: int  # leading blocks of its table swapped out (those holding its cache slots); then its private ones
+    compacted: bool  # eviction had compacted it: its blocks no longer match its tokens
 
 
 @dataclass(slots=True)
@@ -46,6 +58,11 @@ class Scheduler:
         # Blocks to fill from the tiers before this step's forward: (pool blocks, payloads), taken by the engine.
         self.loads: list[tuple[list[int], list[bytes]]] = []
         self._found: dict[int, tuple[int, list[bytes]]] = {}  # seq -> (first block, payloads) found, not yet admitted
+        self.swap = config.preemption_mode == "swap" and offload is not None and offload.swap_tier is not None
+        self._swapped: dict[int, Swapped] = {}  # seq_id -> what it swapped out, while it waits
+        self.num_swapped_out = 0  # preemptions that swapped the sequence out
+        self.num_swapped_in = 0  # of those, resumed from the swapped contents
+        self.num_swap_fallbacks = 0  # swap preemptions recomputed instead (the tier had no room, or a read failed)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.watermark = max(1, int(WATERMARK_FRACTION * kv.pool.num_usable))
@@ -71,6 +88,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._found.pop(seq.seq_id, None)
+        if self._swapped.pop(seq.seq_id, None) is not None:
+            self.offload.swap_discard(seq.seq_id)
         (release or self.kv.free)(seq.seq_id)
 
     def _offloaded(self, seq: Sequence, start: int) -> list[bytes]:
@@ -93,14 +112,37 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if self.swap and not self._swap_out(seq):
+            self.num_swap_fallbacks += 1
         self.kv.free(seq.seq_id)
-        seq.num_computed_tokens = 0
-        if seq.eviction:  # recomputed from scratch: every token so far is its prompt now
-            seq.eviction.reset(seq.num_tokens)
+        if seq.seq_id not in self._swapped:
+            self._restart(seq)
+        seq.num_computed_tokens = 0  # while it waits; a swapped one gets its count back on resuming
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    @staticmethod
+    def _restart(seq: Sequence) -> None:
+        """Make `seq` start over: recomputed from its tokens."""
+        seq.num_computed_tokens = 0
+        if seq.eviction:  # recomputed from scratch: every token so far is its prompt now
+            seq.eviction.reset(seq.num_tokens)
+
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Have the offloader keep the contents of `seq`'s blocks (those of its cache slots, then its private ones);
+        False if it has none to keep or the tier has no room."""
+        slots = seq.num_computed_tokens - seq.num_evicted
+        if slots <= 0:
+            return False
+        n = blocks_for(slots, self.kv.block_size)
+        blocks = self.kv.block_tables[seq.seq_id][:n] + self.kv.private_blocks.get(seq.seq_id, [])
+        if not self.offload.swap_out(seq.seq_id, blocks):
+            return False
+        self._swapped[seq.seq_id] = Swapped(seq.num_computed_tokens, n, self.kv.is_compacted(seq.seq_id))
+        self.num_swapped_out += 1
+        return True
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -144,27 +186,52 @@ class Scheduler:
                 break
             # Looked up again right before allocating: an admission earlier in this loop may have evicted
             # blocks of the prefix found while sorting.
-            prefix = self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key, seq.max_cached_prefix)
-            loaded = self._offloaded(seq, len(prefix)) if self.offload else []
-            cached = (len(prefix) + len(loaded)) * bs
+            swapped = self._swapped.get(seq.seq_id)
+            if swapped is not None and swapped.compacted:
+                prefix = []  # its blocks hold what eviction kept, not its tokens' blocks
+            else:
+                prefix = self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key, seq.max_cached_prefix)
+            if swapped is not None:  # resumes where it was, or past it if the pool caches more of its prompt
+                loaded, cached = [], max(swapped.computed, len(prefix) * bs)
+            else:
+                loaded = self._offloaded(seq, len(prefix)) if self.offload else []
+                cached = (len(prefix) + len(loaded)) * bs
+            slots = cached - seq.num_evicted  # a swapped sequence keeps what eviction left
             remaining = seq.num_tokens - cached
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
             first_new = None
-            if lpm and len(prefix) < (seq.num_tokens - 1) // bs:  # a block it could take from the cache
+            if lpm and swapped is None and len(prefix) < (seq.num_tokens - 1) // bs:  # a block it could take
                 first_new = self.kv.block_hashes(seq.seq_id, seq.token_ids, seq.extra_key)[len(prefix)]
                 if first_new in computing:
                     continue  # share it next step instead of computing it twice now
             # Gate: keep a reserve for running sequences to grow into, so admitting this
             # one does not force a preemption a few steps later.
-            need = self.kv.blocks_needed(seq.seq_id, cached + n, prefix)
+            need = self.kv.blocks_needed(seq.seq_id, slots + n, prefix)
             reserve = self.watermark + len(self.running)  # one fresh block each
             if self.running and need + reserve > self.kv.num_free_blocks:
                 break
-            if not self.kv.allocate(seq.seq_id, cached + n, prefix):
+            if need > self.kv.num_free_blocks:
                 break
-            if loaded:  # fresh blocks after the pool's prefix, filled from the tiers before the forward
+            if swapped is not None:
+                del self._swapped[seq.seq_id]
+                skip = min(len(prefix), swapped.table_blocks)
+                rows = self.offload.swap_in(seq.seq_id, skip)
+                if rows is None:  # the tier could not hand it back: recompute it, from the next step
+                    self.num_swap_fallbacks += 1
+                    self._restart(seq)
+                    continue
+            if not self.kv.allocate(seq.seq_id, slots + n, prefix):  # cannot happen: checked just above
+                raise RuntimeError(f"allocating {need} KV blocks failed with {self.kv.num_free_blocks} free")
+            if swapped is not None:
+                table = self.kv.block_tables[seq.seq_id]
+                self.loads.append((table[skip:swapped.table_blocks] + self.kv.private_blocks.get(seq.seq_id, []),
+                                   rows))
+                if swapped.compacted:
+                    self.kv.mark_compacted(seq.seq_id)
+                self.num_swapped_in += 1
+            elif loaded:  # fresh blocks after the pool's prefix, filled from the tiers before the forward
                 self.loads.append((self.kv.block_tables[seq.seq_id][len(prefix):len(prefix) + len(loaded)], loaded))
             self._found.pop(seq.seq_id, None)
             self.waiting.remove(seq)

@@ -9,6 +9,7 @@ the pool hands it out again (an eviction).
 from __future__ import annotations
 
 from kvcache.memory.block_hash import BlockKey
+from kvcache.memory.kv_events import KVEventLog
 
 
 class OutOfBlocksError(RuntimeError):
@@ -35,6 +36,7 @@ class BlockPool:
         self.generation = [0] * num_blocks  # bumped each time a block is handed out anew
         self._cached: dict[int, int] = {}  # chain hash -> block
         self.num_evictions = 0  # cached blocks that lost their identity to a new allocation
+        self.events: KVEventLog | None = None  # records blocks that stop being findable (KV events), if set
 
     @property
     def num_free(self) -> int:
@@ -53,17 +55,20 @@ class BlockPool:
         """Take `n` free blocks, least recently freed first, each with reference count 1; all or nothing."""
         if n > len(self._free):
             raise OutOfBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = []
+        blocks, evicted = [], []
         for _ in range(n):
             b = next(iter(self._free))
             del self._free[b]
             if self.keys[b] is not None:
+                evicted.append(self.keys[b].hash)
                 del self._cached[self.keys[b].hash]
                 self.keys[b] = None
                 self.num_evictions += 1
             self.generation[b] += 1
             self.ref_counts[b] = 1
             blocks.append(b)
+        if evicted and self.events is not None:
+            self.events.removed(evicted)
         return blocks
 
     def share(self, blocks: list[int]) -> None:
@@ -112,6 +117,8 @@ class BlockPool:
         if key is not None:
             del self._cached[key.hash]
             self.keys[block] = None
+            if self.events is not None:
+                self.events.removed([key.hash])
 
     def lookup(self, block_hash: int) -> int | None:
         """The block cached under `block_hash`, if any (the caller verifies its key)."""

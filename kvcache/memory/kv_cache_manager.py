@@ -18,6 +18,7 @@ from typing import Literal
 
 from kvcache.memory.block_hash import BlockKey, chain_hashes
 from kvcache.memory.block_pool import BlockPool, OutOfBlocksError
+from kvcache.memory.kv_events import KVEventLog, stored_runs
 from kvcache.memory.radix_cache import RadixCache, RadixNode
 
 PrefixCaching = Literal["hash", "radix"]
@@ -56,7 +57,7 @@ class KVCacheManager:
     prefix-cache hits, frees it on finish."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: PrefixCaching | None = None,
-                 seq_blocks: int = 0) -> None:
+                 seq_blocks: int = 0, events: KVEventLog | None = None) -> None:
         if prefix_caching not in (None, "hash", "radix"):
             raise ValueError(f"prefix_caching must be None, 'hash' or 'radix', got {prefix_caching!r}")
         self.block_size = block_size
@@ -66,6 +67,11 @@ class KVCacheManager:
         self.private_blocks: dict[int, list[int]] = {}  # seq_id -> its `seq_blocks` scratch blocks
         self.prefix_caching = prefix_caching
         self.radix = RadixCache(self.pool, block_size) if prefix_caching == "radix" else None
+        # KV events (kv_events.py): the pool and the tree record what stops being findable, cache_blocks what starts
+        self.events = events
+        self.pool.events = events
+        if self.radix:
+            self.radix.events = events
         self.stats = PrefixCacheStats()
         self._seqs: dict[int, _SeqCache] = {}
         self._compacted: set[int] = set()  # sequences whose blocks no longer match their tokens (eviction)
@@ -199,7 +205,8 @@ class KVCacheManager:
             return range(0)
         bs = self.block_size
         if self.radix:
-            node, tree_blocks = self.radix.insert(token_ids[:full * bs], table[:full], entry.extra)
+            hashes = self.block_hashes(seq_id, token_ids, extra)[:full] if self.events is not None else ()
+            node, tree_blocks = self.radix.insert(token_ids[:full * bs], table[:full], entry.extra, hashes)
             self.radix.lock(node)
             if entry.locked:
                 self.radix.unlock(entry.node)
@@ -209,6 +216,7 @@ class KVCacheManager:
                     self._swap(seq_id, i, tree_blocks[i])
         else:
             hashes = self.block_hashes(seq_id, token_ids, extra)
+            stored = []
             for i in range(entry.num_cached, full):
                 b = table[i]
                 if self.pool.keys[b] is not None:
@@ -220,11 +228,13 @@ class KVCacheManager:
                 other = self.pool.lookup(hashes[i])
                 if other is None:
                     self.pool.cache(b, key)
+                    stored.append(i)
                 elif self.pool.keys[other] == key:
                     self._swap(seq_id, i, other)  # computed twice (same step): keep one copy
                 else:
                     full = i  # a real hash collision: cache nothing more of this sequence
                     break
+            stored_runs(self.events, stored, hashes, token_ids, bs)
         entry.num_cached = full
         return range(first, full)
 
@@ -319,6 +329,17 @@ class KVCacheManager:
         self._compacted.add(seq_id)
         return table, new
 
+    def is_compacted(self, seq_id: int) -> bool:
+        """Whether eviction compacted `seq_id`'s table (its blocks no longer match its tokens)."""
+        return seq_id in self._compacted
+
+    def mark_compacted(self, seq_id: int) -> None:
+        """Record that `seq_id`'s table holds compacted KV (a swapped sequence restored into fresh blocks): none of
+        its blocks is ever cached."""
+        if seq_id not in self.block_tables:
+            raise ValueError(f"sequence {seq_id} has no block table")
+        self._compacted.add(seq_id)
+
     def release_scrubbed(self, seq_id: int) -> list[int]:
         """Free `seq_id` (a sequence the engine failed: its K/V may be NaN or garbage) and return the blocks that no
         one holds any more, made unfindable in the prefix cache: the caller zeroes them before anyone reuses them,
@@ -354,4 +375,7 @@ class KVCacheManager:
         """Forget every cached block that no sequence holds; returns how many. Refuses while sequences hold blocks."""
         if self.block_tables:
             raise RuntimeError(f"cannot reset the prefix cache while {len(self.block_tables)} sequences hold blocks")
-        return self.radix.reset() if self.radix else self.pool.clear_cache()
+        n = self.radix.reset() if self.radix else self.pool.clear_cache()
+        if self.events is not None:
+            self.events.cleared()
+        return n

@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from kvcache.memory.block_pool import BlockPool
+from kvcache.memory.kv_events import KVEventLog
 
 
 @dataclass(eq=False, slots=True)
@@ -25,6 +26,7 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # keyed by first block's tokens
     lock_ref: int = 0
     last_access: int = 0
+    hashes: list[int] = field(default_factory=list)  # chain keys of `blocks`, when KV events are recorded
 
 
 class RadixCache:
@@ -38,6 +40,7 @@ class RadixCache:
         self.evictable_blocks = 0  # of those, in nodes no running request locks
         self.num_evictions = 0
         self._clock = itertools.count(1)
+        self.events: KVEventLog | None = None  # records what the tree adopts and evicts (KV events), if set
 
     def _first(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
         return tokens[:self.block_size]
@@ -51,9 +54,10 @@ class RadixCache:
         """Cut `node` after its first `n_blocks` blocks; return the new upper part."""
         cut = n_blocks * self.block_size
         upper = RadixNode(node.tokens[:cut], node.blocks[:n_blocks], node.parent, lock_ref=node.lock_ref,
-                          last_access=node.last_access)
+                          last_access=node.last_access, hashes=node.hashes[:n_blocks])
         node.parent.children[self._first(node.tokens)] = upper
         node.tokens, node.blocks, node.parent = node.tokens[cut:], node.blocks[n_blocks:], upper
+        node.hashes = node.hashes[n_blocks:]
         upper.children[self._first(node.tokens)] = node
         return upper
 
@@ -81,8 +85,10 @@ class RadixCache:
             node = child
         return blocks, node
 
-    def insert(self, token_ids: list[int], blocks: list[int], extra: tuple) -> tuple[RadixNode, list[int]]:
-        """Add the block-aligned `token_ids` held in `blocks`; the part already cached keeps its blocks.
+    def insert(self, token_ids: list[int], blocks: list[int], extra: tuple, hashes: list[int] = ()
+               ) -> tuple[RadixNode, list[int]]:
+        """Add the block-aligned `token_ids` held in `blocks` (chain keys `hashes`, for KV events); the part
+        already cached keeps its blocks.
 
         The tree takes a pool reference on each block it adopts. Returns the node the prefix ends at
         and the tree's blocks for the whole prefix (the caller swaps its duplicates for them).
@@ -91,7 +97,9 @@ class RadixCache:
         depth = len(cached)
         if depth < len(blocks):
             new = RadixNode(tuple(token_ids[depth * self.block_size:len(blocks) * self.block_size]),
-                            blocks[depth:], node, last_access=node.last_access)
+                            blocks[depth:], node, last_access=node.last_access, hashes=list(hashes[depth:len(blocks)]))
+            if self.events is not None and new.hashes:
+                self.events.stored(new.hashes, hashes[depth - 1] if depth else None, list(new.tokens))
             self.pool.share(new.blocks)
             node.children[self._first(new.tokens)] = new
             self.num_blocks += len(new.blocks)
@@ -134,6 +142,8 @@ class RadixCache:
             parent = node.parent
             del parent.children[self._first(node.tokens)]
             self.pool.free(node.blocks)
+            if count and self.events is not None:
+                self.events.removed(node.hashes)
             freed += len(node.blocks)
             self.num_blocks -= len(node.blocks)
             self.evictable_blocks -= len(node.blocks)

@@ -28,9 +28,11 @@ import struct
 import threading
 import time
 import zlib
+from collections import deque
 
 import torch
 
+from kvcache.memory.kv_events import KVEventLog
 from kvcache.offload.tiers import CpuTier, DiskTier, RedisTier, Tier
 
 log = logging.getLogger("kvcache")
@@ -84,10 +86,16 @@ def decode_block(value: bytes, fingerprint: bytes, key: int, tokens: tuple[int, 
     return value[start:start + payload_bytes], ""
 
 
+def _chain_hash(key: bytes) -> int:
+    """The chain hash in a tier key (Offloader.key)."""
+    return int.from_bytes(key[16:], "little")
+
+
 class Offloader:
     """Stores and loads whole blocks of a KV store (a KVStore or QuantizedKVStore) in `tiers`, top tier first."""
 
-    def __init__(self, store, tiers: list[Tier], fingerprint: bytes, queue_blocks: int = 4096) -> None:
+    def __init__(self, store, tiers: list[Tier], fingerprint: bytes, queue_blocks: int = 4096,
+                 events: KVEventLog | None = None) -> None:
         if not tiers:
             raise ValueError("an offloader needs at least one tier")
         self.tensors: list[torch.Tensor] = store.block_tensors()
@@ -95,9 +103,20 @@ class Offloader:
         self.row_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
         self.block_bytes = sum(self.row_bytes)
         self.tiers, self.fingerprint = tiers, fingerprint
+        self.events = events  # KV events: what each tier newly stores or drops, by its medium
+        if events is not None:
+            for tier in tiers:
+                tier.on_drop = lambda keys, medium=tier.medium: events.removed([_chain_hash(k) for k in keys], medium)
         self.loaded_blocks = 0
         self.load_seconds = 0.0
         self.dropped = 0  # stores dropped because the writer was behind
+        # Seconds of each step's load since the last take_load_latencies (the newest 10,000): a metrics histogram
+        self._load_latency: deque[float] = deque(maxlen=10_000)
+        # Swap (--preemption-mode swap): preempted sequences' blocks go to the first tier that holds values
+        self.swap_tier = next((t for t in tiers if t.name in ("cpu", "disk")), None)
+        self._swap_prefix = b"swap" + os.urandom(12)  # this engine's: another process sharing the disk tier differs
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
         self.corrupt: dict[str, int] = {}  # reason -> values refused on load
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_blocks))
         self._writer = threading.Thread(target=self._write_loop, name="kvcache-offload", daemon=True)
@@ -108,14 +127,15 @@ class Offloader:
 
     # ---- store (engine thread: a snapshot; writer thread: the rest) --------------------------------------------
 
-    def store(self, items: list[tuple[int, tuple[int, ...], int]]) -> None:
-        """Queue (chain hash, token ids, block id) of blocks just cached for writing to every tier lacking them."""
+    def store(self, items: list[tuple[int, int | None, tuple[int, ...], int]]) -> None:
+        """Queue (chain hash, its parent's or None, token ids, block id) of blocks just cached for writing to every
+        tier lacking them."""
         items = [it for it in items if not all(t.contains(self.key(it[0])) for t in self.tiers)]
         if not items:
             return
-        rows = self._read_rows([b for _, _, b in items])
+        rows = self._read_rows([it[-1] for it in items])
         try:
-            self._queue.put_nowait(([(h, tok) for h, tok, _ in items], rows))
+            self._queue.put_nowait(([it[:3] for it in items], rows))
         except queue.Full:
             self.dropped += len(items)
 
@@ -127,10 +147,12 @@ class Offloader:
                     return
                 blocks, rows = job
                 data = rows.cpu().numpy()
-                for (h, tokens), row in zip(blocks, data):
+                for (h, parent, tokens), row in zip(blocks, data):
                     value = encode_block(self.fingerprint, h, tokens, row.tobytes())
                     for tier in self.tiers:
-                        tier.put(self.key(h), value)
+                        # recorded at once: a later put of this job may drop it again, and its event must follow
+                        if tier.put(self.key(h), value) and self.events is not None:
+                            self.events.stored([h], parent, list(tokens), tier.medium)
             except Exception:  # a bug here must not kill the thread silently: log it and go on
                 log.exception("offload writer failed on a batch of blocks")
             finally:
@@ -141,6 +163,9 @@ class Offloader:
         self._queue.join()
 
     def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued, then stop the writer thread (idempotent)."""
+        if not self._writer.is_alive():
+            return
         self.flush()
         self._queue.put(None)
         self._writer.join(timeout)
@@ -165,20 +190,25 @@ class Offloader:
                     self.corrupt[why] = self.corrupt.get(why, 0) + 1
                     continue
                 for upper in self.tiers[:depth]:
-                    upper.put(key, value)
+                    if upper.put(key, value) and self.events is not None:
+                        self.events.stored([hashes[i]], hashes[i - 1] if i else None, list(tokens), upper.medium)
                 break
             if payload is None:
                 break
             found.append(payload)
         return found
 
-    def load(self, blocks: list[int], payloads: list[bytes]) -> None:
-        """Write `payloads` (from lookup) into pool `blocks`, every tensor in one index_copy_."""
+    def load(self, loads: list[tuple[list[int], list[bytes] | torch.Tensor]]) -> None:
+        """Fill pool blocks from what `lookup` found (payloads) or `swap_in` handed back (rows): one index_copy_ per
+        tensor of the store for all of `loads`, (blocks, their contents) pairs."""
+        blocks = [b for bl, _ in loads for b in bl]
         if not blocks:
             return
         t0 = time.perf_counter()
-        rows = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(blocks), self.block_bytes)
-        rows = rows.to(self.device)
+        parts = [rows if isinstance(rows, torch.Tensor) else
+                 torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).view(len(rows), self.block_bytes)
+                 for bl, rows in loads if bl]
+        rows = torch.cat(parts).to(self.device)
         idx = torch.tensor(blocks, device=self.device)
         at = 0
         for t, n in zip(self.tensors, self.row_bytes):
@@ -186,7 +216,46 @@ class Offloader:
             t.index_copy_(0, idx, part)
             at += n
         self.loaded_blocks += len(blocks)
-        self.load_seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.load_seconds += took
+        self._load_latency.append(took)
+
+    def take_load_latencies(self) -> list[float]:
+        """Seconds each step's load took since the last call (safe from another thread: deque pops are atomic)."""
+        out = []
+        while self._load_latency:
+            out.append(self._load_latency.popleft())
+        return out
+
+    # ---- swap (engine thread) -----------------------------------------------------------------------------------
+
+    def _swap_key(self, seq_id: int) -> bytes:
+        return self._swap_prefix + seq_id.to_bytes(16, "little")
+
+    def swap_out(self, seq_id: int, blocks: list[int]) -> bool:
+        """Copy the contents of `blocks` (a preempted sequence's table, then its private blocks) to the swap tier;
+        False, and nothing kept, if the tier has no room for them (the sequence is recomputed instead)."""
+        rows = self._read_rows(blocks).cpu()
+        value = rows if self.swap_tier.name == "cpu" else rows.numpy()
+        if not self.swap_tier.hold(self._swap_key(seq_id), value, rows.numel()):
+            return False
+        self.swapped_out_blocks += len(blocks)
+        return True
+
+    def swap_in(self, seq_id: int, skip: int = 0) -> torch.Tensor | None:
+        """The rows `swap_out` kept for `seq_id`, without the first `skip` (blocks the pool still holds), for `load`;
+        the tier lets them go. None if it cannot hand them back (a read error: the sequence is recomputed)."""
+        value = self.swap_tier.take(self._swap_key(seq_id))
+        if value is None:
+            return None
+        rows = value if isinstance(value, torch.Tensor) else \
+            torch.frombuffer(bytearray(value), dtype=torch.uint8).view(-1, self.block_bytes)
+        self.swapped_in_blocks += len(rows) - skip
+        return rows[skip:]
+
+    def swap_discard(self, seq_id: int) -> None:
+        """Let go of what `seq_id` has swapped out, if anything (it finished or was aborted while waiting)."""
+        self.swap_tier.take(self._swap_key(seq_id))
 
     def _read_rows(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), block_bytes] uint8 snapshot of the blocks (a copy: the pool may reuse them at once)."""
@@ -196,7 +265,8 @@ class Offloader:
 
     def info(self) -> dict:
         return {"tiers": [t.info() for t in self.tiers], "loaded_blocks": self.loaded_blocks,
-                "load_seconds": self.load_seconds, "dropped_stores": self.dropped, "refused": dict(self.corrupt),
+                "load_seconds": self.load_seconds, "swap_tier": self.swap_tier.name if self.swap_tier else None,
+                "swapped_out_blocks": self.swapped_out_blocks, "swapped_in_blocks": self.swapped_in_blocks, "dropped_stores": self.dropped, "refused": dict(self.corrupt),
                 "block_bytes": self.block_bytes, "fingerprint": self.fingerprint.hex()[:16]}
 
 
@@ -209,15 +279,16 @@ def offload_tiers(config) -> list[Tier]:
         tiers.append(DiskTier(config.kv_offload_dir, config.kv_offload_disk_size))
     if config.kv_remote is not None:
         tiers.append(RedisTier(config.kv_remote, timeout=config.kv_remote_timeout))
-    if tiers and not config.enable_prefix_caching:
+    if tiers and not config.enable_prefix_caching and config.preemption_mode != "swap":
         raise ValueError("the KV offload tiers hold prefix-cache blocks: they need prefix caching (drop "
-                         "--no-enable-prefix-caching)")
+                         "--no-enable-prefix-caching), unless they are there for --preemption-mode swap")
     return tiers
 
 
-def make_offloader(tiers: list[Tier], store, source: str, **fmt) -> Offloader | None:
-    """An Offloader over `tiers` for `store`, keyed by the fingerprint of `source` and `fmt`; None without tiers."""
+def make_offloader(tiers: list[Tier], store, source: str, events: KVEventLog | None = None, **fmt) -> Offloader | None:
+    """An Offloader over `tiers` for `store`, keyed by the fingerprint of `source` and `fmt`, recording its tiers'
+    KV events in `events` if given; None without tiers."""
     if not tiers:
         return None
     layout = [(str(t.dtype), tuple(t.shape[1:])) for t in store.block_tensors()]
-    return Offloader(store, tiers, model_fingerprint(source, layout=layout, **fmt))
+    return Offloader(store, tiers, model_fingerprint(source, layout=layout, **fmt), events=events)

@@ -32,7 +32,11 @@ KV cache health (ours):
 | `kvcache:kv_offload_bytes_{in,out}_total{tier}` | counter | bytes written to / read from a tier |
 | `kvcache:kv_offload_errors_total{tier,reason}` | counter | failed or refused values: write, read, disk_full, checksum, fingerprint, ... |
 | `kvcache:kv_offload_loaded_blocks_total` | counter | blocks loaded from the tiers into the pool instead of recomputed |
-| `kvcache:kv_offload_bytes_used{tier}` | gauge | bytes a tier holds |
+| `kvcache:kv_offload_bytes_used{tier}` | gauge | bytes a tier holds (swapped sequences included) |
+| `kvcache:kv_offload_load_seconds` | histogram | seconds one step took to copy what it loaded from the tiers (and swap) into the pool |
+| `kvcache:kv_swap_{out,in,fallbacks}_total` | counter | preemptions swapped out; of those, resumed from the tier; swap preemptions recomputed instead (tier full, read failed) |
+| `kvcache:kv_swap_bytes{tier}` | gauge | bytes of swapped-out sequences a tier holds |
+| `kvcache:kv_events_published_total` | counter | KV events sent to `--kv-events-endpoint` (vLLM's BlockStored/BlockRemoved/AllBlocksCleared) |
 | `kvcache:cache_config_info{...}` | gauge (1) | labels: block_size, cache_dtype, num_gpu_blocks, bytes_per_token, residual_blocks_per_seq (vLLM's name) |
 | `kvcache:kv_evicted_tokens_total` | counter | cache slots emptied by token eviction (--kv-eviction), per request |
 | `kvcache:kv_eviction_freed_blocks_total` | counter | blocks eviction's compactions returned to the pool |
@@ -63,6 +67,8 @@ ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  40.0, 80.0)
 REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                              120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Loads from the tiers: a block is ~50 KB to a few MB, a step loads up to thousands of them.
+LOAD_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 FINISH_REASONS = ("stop", "length", "abort", "error")  # engine/outputs.py's (not imported: that pulls in torch)
 BLOCK_STATES = ("free", "used", "cached")
 
@@ -158,6 +164,17 @@ class ServerMetrics:
             self._tier_used = {t.name: used.labels(model_name, t.name) for t in engine.offload.tiers}
             self._loaded = counter("kv_offload_loaded_blocks", "Blocks loaded from the offload tiers into the pool "
                                                                "instead of recomputed.")
+            self._load_seconds = histogram("kv_offload_load_seconds", "Seconds a step took to copy the blocks it "
+                                           "loaded from the offload tiers (and swap) into the pool.", LOAD_BUCKETS_S)
+            swap = Gauge(PREFIX + "kv_swap_bytes", "Bytes of swapped-out sequences an offload tier holds.", labels,
+                         registry=self.registry)
+            self._swap_bytes = {t.name: swap.labels(model_name, t.name) for t in engine.offload.tiers}
+        self._swaps = {name: counter(f"kv_swap_{name}", doc) for name, doc in (
+            ("out", "Preemptions that swapped the sequence's KV out to an offload tier (--preemption-mode swap)."),
+            ("in", "Swapped-out sequences resumed from the tier's copy."),
+            ("fallbacks", "Swap preemptions recomputed instead: the tier had no room, or a read failed."))}
+        self._events = counter("kv_events_published", "KV events published to --kv-events-endpoint.") \
+            if engine.event_publisher else None
 
         self._lock = threading.Lock()  # on_step/on_abort (engine thread) against log_line (any thread)
         self._requests: dict[str, _RequestState] = {}
@@ -248,8 +265,17 @@ class ServerMetrics:
                 for reason, n in list(st.errors.items()):
                     self._advance(f"{tier.name}:error:{reason}", self._tier_errors.labels(self.model_name, tier.name,
                                                                                           reason), n)
-                self._tier_used[tier.name].set(tier.used_bytes)
+                self._tier_used[tier.name].set(tier.used_bytes + tier.held_bytes)
             self._advance("loaded", self._loaded, eng.offload.loaded_blocks)
+            for took in eng.offload.take_load_latencies():
+                self._load_seconds.observe(took)
+            for tier in eng.offload.tiers:
+                self._swap_bytes[tier.name].set(tier.held_bytes)
+        for name, total in (("out", sched.num_swapped_out), ("in", sched.num_swapped_in),
+                            ("fallbacks", sched.num_swap_fallbacks)):
+            self._advance(f"swap:{name}", self._swaps[name], total)
+        if self._events is not None:
+            self._advance("events", self._events, eng.event_publisher.published_events)
 
         running = {s.request_id for s in sched.running}
         waiting = {s.request_id for s in sched.waiting} - running

@@ -84,4 +84,5 @@ def serve_until_dead(server, loop) -> int:
         server.run()
     finally:
         loop.stop()
+        loop.engine.close()  # the offload writer's queue and the last KV events
     return ENGINE_DEAD_STATUS if loop.error is not None else 0

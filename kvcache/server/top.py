@@ -50,7 +50,7 @@ def fetch_metrics(client: httpx.Client, url: str) -> str:
 
 
 def read_samples(text: str) -> dict[str, float]:
-    """Sample name -> value, summed over label sets; a `state` or `finished_reason` label stays in the key,
+    """Sample name -> value, summed over label sets; a `state`, `finished_reason` or `tier` label stays in the key,
     as in `kvcache:kv_blocks{state=free}`. Raises ValueError if no kvcache metric is there."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
@@ -58,7 +58,7 @@ def read_samples(text: str) -> dict[str, float]:
             if not s.name.startswith(PREFIX) or "le" in s.labels:
                 continue
             key = s.name
-            for label in ("state", "finished_reason"):
+            for label in ("state", "finished_reason", "tier"):
                 if label in s.labels:
                     key += f"{{{label}={s.labels[label]}}}"
             out[key] = out.get(key, 0.0) + s.value
@@ -121,7 +121,33 @@ def snapshot(cur: dict[str, float], prev: dict[str, float] | None = None, dt_s: 
         "generation_tps": rate("generation_tokens_total"),
         "ttft_mean_s": mean("time_to_first_token_seconds"),
         "e2e_mean_s": mean("e2e_request_latency_seconds"),
+        "swapped_out": get("kv_swap_out_total"),
+        "swapped_in": get("kv_swap_in_total"),
+        "swap_fallbacks": get("kv_swap_fallbacks_total"),
+        "tiers": _tiers(get, delta if window else None),
+        "offload_loaded_blocks": get("kv_offload_loaded_blocks_total"),
+        "offload_load_mean_s": mean("kv_offload_load_seconds"),
     }
+
+
+def _tiers(get, delta) -> list[dict]:
+    """Per offload tier (in the server's order: cpu, disk, redis): bytes held, swap bytes, the hit rate over the
+    window when it had lookups (else since start-up), blocks stored and errors."""
+    out = []
+    for tier in ("cpu", "disk", "redis"):
+        key = f"{{tier={tier}}}"
+        if get("kv_offload_hits_total" + key) is None:
+            continue
+        hits, misses = get("kv_offload_hits_total" + key), get("kv_offload_misses_total" + key) or 0.0
+        if delta is not None:
+            dh, dm = delta("kv_offload_hits_total" + key), delta("kv_offload_misses_total" + key)
+            if dh is not None and dm is not None and dh + dm:
+                hits, misses = dh, dm
+        out.append({"tier": tier, "bytes_used": get("kv_offload_bytes_used" + key),
+                    "swap_bytes": get("kv_swap_bytes" + key), "stored_blocks": get("kv_offload_stored_blocks_total" + key),
+                    "hit_rate": hits / (hits + misses) if hits + misses else None,
+                    "errors": get("kv_offload_errors_total" + key) or 0.0})
+    return out
 
 
 def warnings_for(snapshot: dict) -> list[str]:
@@ -184,6 +210,16 @@ def render_snapshot(snapshot: dict) -> str:
         ("Latency", f"TTFT mean {_num(s.get('ttft_mean_s'), '.3f', ' s')}   e2e mean "
                     f"{_num(s.get('e2e_mean_s'), '.3f', ' s')}"),
     ]
+    if s.get("tiers"):
+        rows.append(("Offload", f"{_num(s.get('offload_loaded_blocks'))} blocks loaded instead of recomputed   "
+                                f"load mean {_num(s.get('offload_load_mean_s'), '.4f', ' s')}"))
+    for t in s.get("tiers") or ():
+        rows.append((f"  tier {t['tier']}", f"{_bytes(t['bytes_used'])} held ({_bytes(t['swap_bytes'])} swap)   hit "
+                     f"rate {_num(t['hit_rate'], '.1%')}   stored {_num(t['stored_blocks'])}   errors "
+                     f"{_num(t['errors'])}"))
+    if s.get("swapped_out"):
+        rows.append(("Swap", f"out {_num(s['swapped_out'])}   in {_num(s.get('swapped_in'))}   fell back to "
+                             f"recompute {_num(s.get('swap_fallbacks'))}"))
     lines = [f"kvcache top  {s.get('url', '')}  ({window})", ""]
     lines += [f"{name:<14} {value}" for name, value in rows]
     warns = warnings_for(s)

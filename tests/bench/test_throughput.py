@@ -190,3 +190,29 @@ def test_bench_offload_tiers_against_hash_alone(tiny_llama, tmp_path, capsys):
         assert modes[m]["prefill_tokens_computed"] == modes[m]["input_tokens"] - modes[m]["prefix_cache_hits"]
     assert os.listdir(tmp_path / "tier")  # the given directory is kept
     assert "tier disk / hash alone" in capsys.readouterr().out
+
+
+@pytest.mark.bench
+def test_bench_preemption_modes_side_by_side(tiny_llama, tmp_path, capsys):
+    """A pool too small for the workload: both modes preempt the same requests, swap resumes every one of them
+    from the cpu tier and prefills only the prompts, recompute prefills more; outputs are the same."""
+    out = tmp_path / "p.json"
+    rc = main(["bench", "throughput", "--model", tiny_llama, "--num-prompts", "8", "--input-len", "4:12",
+               "--output-len", "40:60", "--seed", "2", "--kv-cache-memory", str(14 * 8 * 512), "--block-size", "8",
+               "--no-enable-prefix-caching", "--preemption-modes", "recompute,swap", "--json", str(out)])
+    assert rc == 0
+    modes = json.loads(out.read_text())["preemption_modes"]
+    rec, swap = modes["recompute"], modes["swap"]
+    assert rec["num_preemptions"] > 0 and swap["num_swapped_in"] == swap["num_preemptions"] > 0
+    work = random_workload(8, (4, 12), (40, 60), 320, 2, {0, 1, 2})
+    assert swap["prefill_tokens_computed"] == work.input_tokens < rec["prefill_tokens_computed"]
+    assert rec["outputs_match_first_mode"] and swap["outputs_match_first_mode"]
+    assert swap["speedup_vs_first_mode"] == pytest.approx(swap["output_tokens_per_s"] / rec["output_tokens_per_s"])
+    table = capsys.readouterr().out
+    assert "preemption" in table and "swap" in table and "recompute" in table
+
+
+def test_bench_preemption_modes_are_checked_first(tiny_llama, capsys):
+    for flags in (["--preemption-modes", "swap,evict"], ["--preemption-modes", "swap", "--workload", "multi-turn"]):
+        rc = main(["bench", "throughput", "--model", tiny_llama, *flags])
+        assert rc == 2 and "preemption-modes" in capsys.readouterr().err

@@ -94,8 +94,8 @@ def test_non_finite_logits_fail_their_request_and_never_reach_the_model(engine, 
     clean = run(engine, workload())
     real = ModelRunner.execute
 
-    def nan_for_bad(self, chunks, copies):
-        sampled, logits, specs = real(self, chunks, copies)
+    def nan_for_bad(self, chunks):
+        sampled, logits, specs = real(self, chunks)
         for i, seq in enumerate(sampled):
             if seq.params.seed == BAD_SEED:
                 logits[i, ::7] = float("nan")
@@ -151,11 +151,11 @@ def test_a_failed_forward_fails_its_batch_and_the_engine_carries_on(engine, monk
     real = ModelRunner.execute
     calls = {"n": 0}
 
-    def fails_once(self, chunks, copies):
+    def fails_once(self, chunks):
         calls["n"] += 1
         if calls["n"] == 2:  # the second step: every request is in the batch
             raise RuntimeError("injected forward fault")
-        return real(self, chunks, copies)
+        return real(self, chunks)
     monkeypatch.setattr(ModelRunner, "execute", fails_once)
     out = run(engine, workload())
     for rid in workload():
@@ -169,7 +169,7 @@ def test_a_failed_forward_fails_its_batch_and_the_engine_carries_on(engine, monk
 def test_failed_steps_in_a_row_end_the_engine(tiny_llama, monkeypatch):
     eng = LLM(tiny_llama, kv_cache_memory="1MiB", max_model_len=64).engine
 
-    def broken(self, chunks, copies):
+    def broken(self, chunks):
         raise RuntimeError("injected: the device is gone")
     monkeypatch.setattr(ModelRunner, "execute", broken)
     for i in range(MAX_CONSECUTIVE_FAILURES - 1):

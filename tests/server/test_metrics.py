@@ -191,7 +191,10 @@ def test_render_names_and_content_type(engine):
     assert {"kvcache:" + n for n in expected} <= names
 
 
-def test_dashboard_uses_only_exposed_series(engine):
+def test_dashboard_uses_only_exposed_series(tiny_llama, tmp_path):
+    """Against an engine with every optional metric (offload tiers, swap, KV events)."""
+    engine = LLM(tiny_llama, kv_cache_memory="1MiB", kv_offload_memory="1MiB", kv_offload_dir=str(tmp_path),
+                 preemption_mode="swap", kv_events_endpoint=f"ipc://{tmp_path}/kv-events").engine
     board = json.loads(DASHBOARD.read_text())
     assert board["schemaVersion"] >= 36
     assert any(i["name"] == "DS_PROMETHEUS" for i in board["__inputs"])
@@ -203,10 +206,13 @@ def test_dashboard_uses_only_exposed_series(engine):
     families = [f for f in text_string_to_metric_families(ServerMetrics(engine, MODEL).render().decode())
                 if not f.name.endswith("_created")]  # prometheus_client's start-time series, not graphed
     exposed = {s.name for f in families for s in f.samples}
+    # a labelled counter shows no sample until its first label set (an offload error reason) is counted
+    exposed |= {f.name + "_total" for f in families if f.type == "counter"}
     used = {n for e in exprs for n in re.findall(r"kvcache:[a-zA-Z0-9_]+", e)}
     assert used and used <= exposed, sorted(used - exposed)
     # And every metric ServerMetrics exposes is on the dashboard, by one of its series.
-    assert not [f.name for f in families if not any(s.name in used for s in f.samples)]
+    assert not [f.name for f in families if not any(s.name in used for s in f.samples)
+                and not (f.type == "counter" and f.name + "_total" in used)]
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -251,3 +257,24 @@ def test_offload_tier_counters_mirror_the_tiers(tiny_llama, tmp_path):
     assert s["kvcache:kv_offload_hits_total{tier=cpu}"] == cpu.stats.hits > 0
     assert s["kvcache:kv_offload_loaded_blocks_total"] == engine.offload.loaded_blocks > 0
     assert s["kvcache:kv_offload_bytes_used{tier=disk}"] == disk.used_bytes > 0
+
+
+def test_swap_and_load_metrics_follow_the_engine(tiny_llama):
+    """Swap preemptions under a pool that must preempt: the swap counters mirror the scheduler's, the load histogram
+    has one observation per step that loaded, and the tier's swap bytes go back to 0 when all is done."""
+    engine = LLM(tiny_llama, kv_cache_memory=12 * 8 * 512, block_size=8, preemption_mode="swap",
+                 kv_offload_memory="4MiB", max_num_batched_tokens=48).engine
+    m = ServerMetrics(engine, MODEL)
+    loads = []
+    real = engine.offload.load
+    engine.offload.load = lambda batch: (loads.append(len(batch)), real(batch))[1]
+    for i in range(4):
+        engine.add_request(f"r{i}", prompt(5, start=3 + i), greedy(40))
+    run_to_end(engine, m)
+    s = samples(m)
+    sched = engine.scheduler
+    assert s["kvcache:kv_swap_out_total"] == sched.num_swapped_out == s["kvcache:num_preemptions_total"] > 0
+    assert s["kvcache:kv_swap_in_total"] == sched.num_swapped_in == sched.num_swapped_out
+    assert s["kvcache:kv_swap_fallbacks_total"] == 0
+    assert s["kvcache:kv_offload_load_seconds_count"] == len(loads) > 0
+    assert s["kvcache:kv_swap_bytes{tier=cpu}"] == 0

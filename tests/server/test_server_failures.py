@@ -177,7 +177,7 @@ def test_a_dead_engine_shuts_the_server_down_with_a_non_zero_status(tiny_llama, 
         status.append(serve_until_dead(server, loop))
     dead = start_server(tiny_llama, run=run)
     try:
-        def broken(self, chunks, copies):
+        def broken(self, chunks):
             raise RuntimeError("injected: the device is gone")
         monkeypatch.setattr(ModelRunner, "execute", broken)
         with httpx.Client() as client:
@@ -197,7 +197,7 @@ def test_requests_queued_when_the_engine_dies_are_all_answered(tiny_llama, monke
     status: list[int] = []
     dead = start_server(tiny_llama, run=lambda server, loop: status.append(serve_until_dead(server, loop)))
 
-    def slow_and_broken(self, chunks, copies):
+    def slow_and_broken(self, chunks):
         time.sleep(0.3)  # long enough for more requests to queue up behind the step
         raise RuntimeError("injected: the device is gone")
     monkeypatch.setattr(ModelRunner, "execute", slow_and_broken)
@@ -227,7 +227,7 @@ def test_a_dead_engine_answers_503_until_the_server_is_down(tiny_llama, monkeypa
     """Without serve_until_dead (an embedding application's own server): /health and requests answer 503."""
     dead = start_server(tiny_llama)
     try:
-        monkeypatch.setattr(ModelRunner, "execute", lambda self, chunks, copies: 1 / 0)
+        monkeypatch.setattr(ModelRunner, "execute", lambda self, chunks: 1 / 0)
         with httpx.Client() as client:
             for _ in range(MAX_CONSECUTIVE_FAILURES):
                 post(client, dead.url, {"prompt": "w5 w6", "max_tokens": 2})

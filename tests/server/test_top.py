@@ -155,6 +155,30 @@ def test_once_prints_a_snapshot_of_a_live_render(tiny_llama, capsys):
     assert samples["kvcache:kv_blocks{state=used}"] == 1
 
 
+def test_tier_and_swap_lines_from_a_live_render(tiny_llama, tmp_path, capsys):
+    """With a cpu and a disk tier and swap: one line per tier (bytes held, swap bytes, hit rate, stored, errors)."""
+    engine = LLM(tiny_llama, kv_cache_memory=12 * 8 * 512, block_size=8, preemption_mode="swap",
+                 kv_offload_memory="4MiB", kv_offload_dir=str(tmp_path), max_num_batched_tokens=48).engine
+    metrics = ServerMetrics(engine, "tiny")
+    for i in range(4):
+        engine.add_request(str(i), list(range(3 + i, 8 + i)), SamplingParams(temperature=0, max_tokens=40,
+                                                                             ignore_eos=True))
+    while engine.has_unfinished_requests():
+        metrics.on_step(engine.step(), time.monotonic())
+    engine.offload.flush()
+    metrics.on_step([], time.monotonic())
+    with _Serve(metrics.render, metrics.content_type) as srv:
+        assert run(args_for(srv.url)) == 0
+    out = capsys.readouterr().out
+    cpu, disk = engine.offload.tiers
+    sched = engine.scheduler
+    assert f"tier cpu" in out and f"tier disk" in out
+    assert f"stored {cpu.stats.stored:,}" in out and "(0 B swap)" in out
+    assert f"Swap           out {sched.num_swapped_out}   in {sched.num_swapped_in}   fell back to recompute 0" in out
+    snap = snapshot(read_samples(metrics.render().decode()))
+    assert [t["tier"] for t in snap["tiers"]] == ["cpu", "disk"] and snap["tiers"][0]["bytes_used"] == cpu.used_bytes
+
+
 def test_a_server_without_kvcache_metrics_is_an_error():
     with _Serve(lambda: b"# TYPE other gauge\nother 1\n", "text/plain") as srv:
         with pytest.raises(ValueError, match="no kvcache"):
