@@ -191,6 +191,11 @@ class Scheduler:
                 prefix = []  # its blocks hold what eviction kept, not its tokens' blocks
             else:
                 prefix = self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key, seq.max_cached_prefix)
+            first_new = None
+            if lpm and swapped is None and len(prefix) < (seq.num_tokens - 1) // bs:  # a block it could take
+                first_new = self.kv.block_hashes(seq.seq_id, seq.token_ids, seq.extra_key)[len(prefix)]
+                if first_new in computing:
+                    continue  # share it next step instead of computing it twice now
             if swapped is not None:  # resumes where it was, or past it if the pool caches more of its prompt
                 loaded, cached = [], max(swapped.computed, len(prefix) * bs)
             else:
@@ -201,11 +206,6 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
-            first_new = None
-            if lpm and swapped is None and len(prefix) < (seq.num_tokens - 1) // bs:  # a block it could take
-                first_new = self.kv.block_hashes(seq.seq_id, seq.token_ids, seq.extra_key)[len(prefix)]
-                if first_new in computing:
-                    continue  # share it next step instead of computing it twice now
             # Gate: keep a reserve for running sequences to grow into, so admitting this
             # one does not force a preemption a few steps later.
             need = self.kv.blocks_needed(seq.seq_id, slots + n, prefix)
@@ -233,6 +233,9 @@ class Scheduler:
                 self.num_swapped_in += 1
             elif loaded:  # fresh blocks after the pool's prefix, filled from the tiers before the forward
                 self.loads.append((self.kv.block_tables[seq.seq_id][len(prefix):len(prefix) + len(loaded)], loaded))
+                # Findable at once (their content is final before any forward reads them): a prompt admitted
+                # after this one in the same step shares them instead of loading them again.
+                self.kv.cache_blocks(seq.seq_id, seq.token_ids, cached, seq.extra_key)
             self._found.pop(seq.seq_id, None)
             self.waiting.remove(seq)
             if not seq.prefix_counted and seq.index == 0:  # once per request, at admission (vLLM's counting)

@@ -30,6 +30,7 @@ import time
 import zlib
 from collections import deque
 
+import numpy as np
 import torch
 
 from kvcache.memory.kv_events import KVEventLog
@@ -39,6 +40,7 @@ log = logging.getLogger("kvcache")
 
 MAGIC = b"KVCB"
 VERSION = 1
+STAGE_BYTES = 64 * 2**20  # load copies payloads into the pool through a staging buffer of at most this size
 _HEADER = struct.Struct("<4sHH32s16sIQ")  # magic, version, reserved, fingerprint, chain key, tokens, payload bytes
 
 
@@ -59,19 +61,27 @@ def model_fingerprint(source: str, **fmt) -> bytes:
     return h.digest()
 
 
-def encode_block(fingerprint: bytes, key: int, tokens: tuple[int, ...], payload: bytes) -> bytes:
-    head = _HEADER.pack(MAGIC, VERSION, 0, fingerprint, key.to_bytes(16, "little"), len(tokens), len(payload))
-    body = head + struct.pack(f"<{len(tokens)}q", *tokens) + payload
-    return body + struct.pack("<I", zlib.crc32(body))
+def encode_block(fingerprint: bytes, key: int, tokens: tuple[int, ...], payload) -> bytearray:
+    """The stored value of a block: header, token ids, `payload` (a bytes-like of the block's rows), CRC-32, built in
+    one buffer (values are ~1 MB: each copy of one costs)."""
+    start = _HEADER.size + 8 * len(tokens)
+    size = memoryview(payload).nbytes
+    out = bytearray(start + size + 4)
+    _HEADER.pack_into(out, 0, MAGIC, VERSION, 0, fingerprint, key.to_bytes(16, "little"), len(tokens), size)
+    struct.pack_into(f"<{len(tokens)}q", out, _HEADER.size, *tokens)
+    out[start:start + size] = memoryview(payload).cast("B")
+    struct.pack_into("<I", out, start + size, zlib.crc32(memoryview(out)[:-4]))
+    return out
 
 
-def decode_block(value: bytes, fingerprint: bytes, key: int, tokens: tuple[int, ...], payload_bytes: int
-                 ) -> tuple[bytes | None, str]:
-    """(payload, "") if `value` is this block of this model; else (None, why)."""
+def decode_block(value, fingerprint: bytes, key: int, tokens: tuple[int, ...], payload_bytes: int
+                 ) -> tuple[memoryview | None, str]:
+    """(payload, "") if `value` is this block of this model, the payload a view into `value`; else (None, why)."""
     n = _HEADER.size + 8 * len(tokens) + payload_bytes + 4
     if len(value) != n:
         return None, "truncated" if len(value) < n else "size"
-    if struct.unpack("<I", value[-4:])[0] != zlib.crc32(memoryview(value)[:-4]):
+    view = memoryview(value)
+    if struct.unpack_from("<I", value, n - 4)[0] != zlib.crc32(view[:-4]):
         return None, "checksum"
     magic, version, _, fp, k, n_tok, n_pay = _HEADER.unpack_from(value)
     if magic != MAGIC or version != VERSION:
@@ -83,7 +93,7 @@ def decode_block(value: bytes, fingerprint: bytes, key: int, tokens: tuple[int, 
     if struct.unpack_from(f"<{n_tok}q", value, _HEADER.size) != tuple(tokens):
         return None, "tokens"
     start = _HEADER.size + 8 * n_tok
-    return value[start:start + payload_bytes], ""
+    return view[start:start + payload_bytes], ""
 
 
 def _chain_hash(key: bytes) -> int:
@@ -117,6 +127,7 @@ class Offloader:
         self._swap_prefix = b"swap" + os.urandom(12)  # this engine's: another process sharing the disk tier differs
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
+        self._stage: torch.Tensor | None = None  # load's staging buffer (host memory), kept for the next step
         self.corrupt: dict[str, int] = {}  # reason -> values refused on load
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_blocks))
         self._writer = threading.Thread(target=self._write_loop, name="kvcache-offload", daemon=True)
@@ -148,7 +159,7 @@ class Offloader:
                 blocks, rows = job
                 data = rows.cpu().numpy()
                 for (h, parent, tokens), row in zip(blocks, data):
-                    value = encode_block(self.fingerprint, h, tokens, row.tobytes())
+                    value = encode_block(self.fingerprint, h, tokens, row)
                     for tier in self.tiers:
                         # recorded at once: a later put of this job may drop it again, and its event must follow
                         if tier.put(self.key(h), value) and self.events is not None:
@@ -198,27 +209,46 @@ class Offloader:
             found.append(payload)
         return found
 
-    def load(self, loads: list[tuple[list[int], list[bytes] | torch.Tensor]]) -> None:
-        """Fill pool blocks from what `lookup` found (payloads) or `swap_in` handed back (rows): one index_copy_ per
-        tensor of the store for all of `loads`, (blocks, their contents) pairs."""
-        blocks = [b for bl, _ in loads for b in bl]
+    def load(self, loads: list[tuple[list[int], list | torch.Tensor]]) -> None:
+        """Fill pool blocks from what `lookup` found (payloads) or `swap_in` handed back (rows): `loads` are (blocks,
+        their contents) pairs. Payloads go through a staging buffer reused from step to step (a fresh one of a
+        hundred MB costs more in page faults than the copy), STAGE_BYTES at a time; each batch is one index_copy_
+        per tensor of the store."""
+        t0 = time.perf_counter()
+        payloads: list[tuple[int, object]] = []
+        for blocks, rows in loads:
+            if isinstance(rows, torch.Tensor):
+                self._scatter(blocks, rows)
+            else:
+                payloads += zip(blocks, rows)
+        per_batch = max(1, STAGE_BYTES // self.block_bytes)
+        for at in range(0, len(payloads), per_batch):
+            batch = payloads[at:at + per_batch]
+            if self._stage is None or len(self._stage) < len(batch):
+                self._stage = torch.empty((min(per_batch, len(payloads)), self.block_bytes), dtype=torch.uint8)
+            stage = self._stage[:len(batch)]
+            view = stage.numpy()
+            for i, (_, payload) in enumerate(batch):
+                view[i] = np.frombuffer(payload, dtype=np.uint8)
+            self._scatter([b for b, _ in batch], stage)
+        n = sum(len(blocks) for blocks, _ in loads)
+        if not n:
+            return
+        took = time.perf_counter() - t0
+        self.loaded_blocks += n
+        self.load_seconds += took
+        self._load_latency.append(took)
+
+    def _scatter(self, blocks: list[int], rows: torch.Tensor) -> None:
+        """Write `rows` ([len(blocks), block_bytes] uint8) into pool `blocks`: one index_copy_ per tensor."""
         if not blocks:
             return
-        t0 = time.perf_counter()
-        parts = [rows if isinstance(rows, torch.Tensor) else
-                 torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).view(len(rows), self.block_bytes)
-                 for bl, rows in loads if bl]
-        rows = torch.cat(parts).to(self.device)
+        rows = rows.to(self.device)
         idx = torch.tensor(blocks, device=self.device)
         at = 0
         for t, n in zip(self.tensors, self.row_bytes):
-            part = rows[:, at:at + n].contiguous().view(t.dtype).view(len(blocks), *t.shape[1:])
-            t.index_copy_(0, idx, part)
+            t.index_copy_(0, idx, rows[:, at:at + n].view(t.dtype).unflatten(1, t.shape[1:]))
             at += n
-        self.loaded_blocks += len(blocks)
-        took = time.perf_counter() - t0
-        self.load_seconds += took
-        self._load_latency.append(took)
 
     def take_load_latencies(self) -> list[float]:
         """Seconds each step's load took since the last call (safe from another thread: deque pops are atomic)."""

@@ -221,3 +221,25 @@ def test_a_bad_remote_url_is_refused_before_loading():
         EngineConfig(kv_remote="http://cache:6379")
     with pytest.raises(ValueError, match="kv_remote_timeout"):
         EngineConfig(kv_remote="redis://localhost:6379/0", kv_remote_timeout=0)
+
+
+def test_prompts_admitted_together_load_a_shared_prefix_once(tiny_llama, tmp_path):
+    """Two requests for one document arrive together at an engine whose tier holds it: the first loads it, and its
+    loaded blocks are findable at once, so the second, admitted in the same step, shares them instead of loading
+    the same blocks a second time."""
+    doc = _conversations(n=1, system=200, own=40)[0]
+    first = LLM(tiny_llama, kv_offload_dir=str(tmp_path))
+    first.generate([{"prompt_token_ids": doc}], GREEDY, use_tqdm=False)
+    first.engine.offload.flush()
+    llm = LLM(tiny_llama, kv_offload_dir=str(tmp_path))
+    steps = []
+    real = llm.engine.scheduler.schedule
+    llm.engine.scheduler.schedule = lambda: steps.append(real()) or steps[-1]
+    outs = llm.generate([{"prompt_token_ids": doc + [7, 8]}, {"prompt_token_ids": doc + [9, 10]}], GREEDY,
+                        use_tqdm=False)
+    assert len(steps[0].chunks) == 2  # both admitted in the first step
+    info = llm.kv_cache_info()
+    assert info["offload"]["loaded_blocks"] == 240 // 16
+    assert info["prefill_tokens_computed"] == 2 + 2  # each computes only its own two tokens
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in LLM(tiny_llama).generate(
+        [{"prompt_token_ids": doc + [7, 8]}, {"prompt_token_ids": doc + [9, 10]}], GREEDY, use_tqdm=False)]
