@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
+from dataclasses import dataclass, field
 
 from kvcache.memory.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventLog
 
@@ -44,68 +46,93 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+@dataclass
+class PublisherState:
+    """What the publisher thread shares with its owner: the wake-up, the stop flag and the counters."""
+
+    wake: threading.Event = field(default_factory=threading.Event)
+    stop: bool = False
+    published_batches: int = 0
+    published_events: int = 0
+    failed_batches: int = 0
+
+
 class ZmqEventPublisher:
-    """A PUB socket and the thread that feeds it from `events`."""
+    """A PUB socket and the thread that feeds it from `events`.
+
+    The thread owns the socket and holds only the log and a PublisherState, never the publisher: an engine
+    dropped without close() is collected, and the finalizer stops the thread, which closes the socket."""
 
     def __init__(self, events: KVEventLog, endpoint: str, topic: str = "", data_parallel_rank: int = 0,
                  hwm: int = 100_000) -> None:
-        import msgpack
         import zmq
-        self.events, self.endpoint, self.rank = events, endpoint, data_parallel_rank
-        self._topic = topic.encode()
-        self._pack = msgpack.Packer(use_bin_type=True)
-        self._ctx = zmq.Context()
-        self._socket = self._ctx.socket(zmq.PUB)
-        self._socket.set_hwm(hwm)
-        self._socket.setsockopt(zmq.LINGER, 0)
+        self.events, self.endpoint = events, endpoint
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUB)
+        sock.set_hwm(hwm)
+        sock.setsockopt(zmq.LINGER, 0)
         try:
-            (self._socket.bind if binds(endpoint) else self._socket.connect)(endpoint)
+            (sock.bind if binds(endpoint) else sock.connect)(endpoint)
         except zmq.ZMQError as e:
-            self._socket.close()
-            self._ctx.term()
+            sock.close()
+            ctx.term()
             raise ValueError(f"kv_events_endpoint {endpoint!r} cannot be used: {e}") from None
-        self.published_batches = 0
-        self.published_events = 0
-        self.failed_batches = 0
-        self._wake = threading.Event()
-        self._stop = False
+        self.state = PublisherState()
         events.cleared()
-        self._thread = threading.Thread(target=self._run, name="kvcache-kv-events", daemon=True)
+        self._thread = threading.Thread(target=_publish_loop, args=(events, ctx, sock, topic.encode(),
+                                                                    data_parallel_rank, endpoint, self.state),
+                                        name="kvcache-kv-events", daemon=True)
         self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self.state)
+
+    @property
+    def published_events(self) -> int:
+        return self.state.published_events
 
     def notify(self) -> None:
         """A step ended: send what it recorded now rather than at the next poll."""
-        self._wake.set()
-
-    def _run(self) -> None:
-        seq = 0
-        while True:
-            self._wake.wait(POLL_S)
-            self._wake.clear()
-            batch = self.events.take()
-            if batch:
-                payload = self._pack.pack([time.time(), [encode_event(e) for e in batch], self.rank])
-                try:
-                    self._socket.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-                    seq += 1
-                    self.published_batches += 1
-                    self.published_events += len(batch)
-                except Exception:  # never let the thread die: count, log, carry on
-                    self.failed_batches += 1
-                    log.exception("publishing %d KV events to %s failed", len(batch), self.endpoint)
-            if self._stop:
-                return
+        self.state.wake.set()
 
     def close(self, timeout: float = 2.0) -> None:
-        """Send what is left, then close the socket."""
-        if self._stop:
-            return
-        self._stop = True
-        self._wake.set()
+        """Send what is left, then close the socket (idempotent)."""
+        self._finalizer()
         self._thread.join(timeout)
-        self._socket.close()
-        self._ctx.term()
 
     def info(self) -> dict:
-        return {"endpoint": self.endpoint, "published_batches": self.published_batches,
-                "published_events": self.published_events, "failed_batches": self.failed_batches}
+        st = self.state
+        return {"endpoint": self.endpoint, "published_batches": st.published_batches,
+                "published_events": st.published_events, "failed_batches": st.failed_batches}
+
+
+def _stop(state: PublisherState) -> None:
+    state.stop = True
+    state.wake.set()
+
+
+def _publish_loop(events: KVEventLog, ctx, sock, topic: bytes, rank: int, endpoint: str,
+                  state: PublisherState) -> None:
+    """The publisher thread: every wake-up (or POLL_S), send what the log holds as one batch; on stop, send the rest
+    and close the socket."""
+    import msgpack
+    pack = msgpack.Packer(use_bin_type=True)
+    seq = 0
+    try:
+        while True:
+            state.wake.wait(POLL_S)
+            state.wake.clear()
+            batch = events.take()
+            if batch:
+                payload = pack.pack([time.time(), [encode_event(e) for e in batch], rank])
+                try:
+                    sock.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+                    seq += 1
+                    state.published_batches += 1
+                    state.published_events += len(batch)
+                except Exception:  # never let the thread die: count, log, carry on
+                    state.failed_batches += 1
+                    log.exception("publishing %d KV events to %s failed", len(batch), endpoint)
+            if state.stop:
+                return
+    finally:
+        sock.close()
+        ctx.term()

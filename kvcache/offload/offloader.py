@@ -27,6 +27,7 @@ import queue
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections import deque
 
@@ -96,6 +97,32 @@ def decode_block(value, fingerprint: bytes, key: int, tokens: tuple[int, ...], p
     return view[start:start + payload_bytes], ""
 
 
+def tier_key(fingerprint: bytes, chain_hash: int) -> bytes:
+    """A block's key in the tiers: the model fingerprint's first 16 bytes, then the chain hash's 16."""
+    return fingerprint[:16] + chain_hash.to_bytes(16, "little")
+
+
+def _write_loop(jobs: queue.Queue, tiers: list[Tier], fingerprint: bytes, events: KVEventLog | None) -> None:
+    """The writer thread: serialize each queued snapshot of blocks and put it in every tier, until a None."""
+    while True:
+        job = jobs.get()
+        try:
+            if job is None:
+                return
+            blocks, rows = job
+            data = rows.cpu().numpy()
+            for (h, parent, tokens), row in zip(blocks, data):
+                value = encode_block(fingerprint, h, tokens, row)
+                for tier in tiers:
+                    # recorded at once: a later put of this job may drop it again, and its event must follow
+                    if tier.put(tier_key(fingerprint, h), value) and events is not None:
+                        events.stored([h], parent, list(tokens), tier.medium)
+        except Exception:  # a bug here must not kill the thread silently: log it and go on
+            log.exception("offload writer failed on a batch of blocks")
+        finally:
+            jobs.task_done()
+
+
 def _chain_hash(key: bytes) -> int:
     """The chain hash in a tier key (Offloader.key)."""
     return int.from_bytes(key[16:], "little")
@@ -130,11 +157,15 @@ class Offloader:
         self._stage: torch.Tensor | None = None  # load's staging buffer (host memory), kept for the next step
         self.corrupt: dict[str, int] = {}  # reason -> values refused on load
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_blocks))
-        self._writer = threading.Thread(target=self._write_loop, name="kvcache-offload", daemon=True)
+        # The writer holds the queue and the tiers, never the Offloader (whose store is the whole KV pool): an engine
+        # dropped without close() is collected, and its finalizer ends the writer once the queue is written.
+        self._writer = threading.Thread(target=_write_loop, args=(self._queue, tiers, fingerprint, events),
+                                        name="kvcache-offload", daemon=True)
         self._writer.start()
+        self._finalizer = weakref.finalize(self, self._queue.put, None)
 
     def key(self, chain_hash: int) -> bytes:
-        return self.fingerprint[:16] + chain_hash.to_bytes(16, "little")
+        return tier_key(self.fingerprint, chain_hash)
 
     # ---- store (engine thread: a snapshot; writer thread: the rest) --------------------------------------------
 
@@ -150,25 +181,6 @@ class Offloader:
         except queue.Full:
             self.dropped += len(items)
 
-    def _write_loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                blocks, rows = job
-                data = rows.cpu().numpy()
-                for (h, parent, tokens), row in zip(blocks, data):
-                    value = encode_block(self.fingerprint, h, tokens, row)
-                    for tier in self.tiers:
-                        # recorded at once: a later put of this job may drop it again, and its event must follow
-                        if tier.put(self.key(h), value) and self.events is not None:
-                            self.events.stored([h], parent, list(tokens), tier.medium)
-            except Exception:  # a bug here must not kill the thread silently: log it and go on
-                log.exception("offload writer failed on a batch of blocks")
-            finally:
-                self._queue.task_done()
-
     def flush(self) -> None:
         """Wait until every queued store is written (tests, benchmarks, shutdown)."""
         self._queue.join()
@@ -178,7 +190,7 @@ class Offloader:
         if not self._writer.is_alive():
             return
         self.flush()
-        self._queue.put(None)
+        self._finalizer()  # queues the writer's stop, once
         self._writer.join(timeout)
 
     # ---- load (engine thread) -----------------------------------------------------------------------------------

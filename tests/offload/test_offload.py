@@ -243,3 +243,21 @@ def test_prompts_admitted_together_load_a_shared_prefix_once(tiny_llama, tmp_pat
     assert info["prefill_tokens_computed"] == 2 + 2  # each computes only its own two tokens
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in LLM(tiny_llama).generate(
         [{"prompt_token_ids": doc + [7, 8]}, {"prompt_token_ids": doc + [9, 10]}], GREEDY, use_tqdm=False)]
+
+
+def test_an_engine_with_tiers_dropped_without_close_is_collected(tiny_llama, tmp_path):
+    """The offload writer and the KV events publisher hold neither the engine nor its store: a dropped engine is
+    collected (its KV pool freed) and both threads end."""
+    import gc
+    import weakref
+    llm = LLM(tiny_llama, kv_cache_memory="4MiB", kv_offload_memory="8MiB", kv_offload_dir=str(tmp_path),
+              kv_events_endpoint=f"ipc://{tmp_path}/events", preemption_mode="swap")
+    llm.generate([{"prompt_token_ids": _conversations(n=1)[0]}], GREEDY, use_tqdm=False)
+    threads = [llm.engine.offload._writer, llm.engine.event_publisher._thread]
+    store = weakref.ref(llm.engine.store)
+    del llm
+    gc.collect()
+    assert store() is None
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
