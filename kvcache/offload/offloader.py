@@ -236,8 +236,9 @@ class Offloader:
         per_batch = max(1, STAGE_BYTES // self.block_bytes)
         for at in range(0, len(payloads), per_batch):
             batch = payloads[at:at + per_batch]
-            if self._stage is None or len(self._stage) < len(batch):
-                self._stage = torch.empty((min(per_batch, len(payloads)), self.block_bytes), dtype=torch.uint8)
+            if self._stage is None or len(self._stage) < len(batch):  # pinned for a CUDA pool: a faster copy up
+                self._stage = torch.empty((min(per_batch, len(payloads)), self.block_bytes), dtype=torch.uint8,
+                                          pin_memory=self.device.type == "cuda")
             stage = self._stage[:len(batch)]
             view = stage.numpy()
             for i, (_, payload) in enumerate(batch):
