@@ -55,8 +55,9 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.offload = offload  # an offload.Offloader: prefix lookups continue in its tiers
-        # Blocks to fill from the tiers before this step's forward: (pool blocks, payloads), taken by the engine.
-        self.loads: list[tuple[list[int], list[bytes]]] = []
+        # Blocks to fill before this step's forward, taken by the engine: (pool blocks, what the offloader found
+        # for them: tier payloads, or a swapped sequence's rows), opaque here.
+        self.loads: list[tuple[list[int], object]] = []
         self._found: dict[int, tuple[int, list[bytes]]] = {}  # seq -> (first block, payloads) found, not yet admitted
         self.swap = config.preemption_mode == "swap" and offload is not None and offload.swap_tier is not None
         self._swapped: dict[int, Swapped] = {}  # seq_id -> what it swapped out, while it waits
