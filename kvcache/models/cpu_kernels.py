@@ -73,13 +73,6 @@ bool has_int4() { return true; }
 // d[g] * code + m[g] (d, m float16). Activations: per row and group of 32, a = da * qa with qa int8 in -127..127.
 // dot(group) = d * da * sum(code * qa) + m * (da * sum(qa)): VNNI's vpdpbusd takes the codes as u8 and qa as s8.
 
-static inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Activation row x [K] -> qa [K] int8, da [G] scales, sa [G] = da * sum(qa) (G = K / 32), rounding half to even.
 static void quantize_activation(const float* x, int64_t K, int8_t* qa, float* da, float* sa) {
   for (int64_t g = 0; g < K / 32; ++g) {
@@ -101,84 +94,89 @@ static void quantize_activation(const float* x, int64_t K, int8_t* qa, float* da
   }
 }
 
-// R weight rows (stride K/2 bytes) against one quantized activation row `a` (scales da, sa): the activation's loads
-// are shared and the R rows' accumulators are independent chains. Per 16 groups, each row's combined scales
-// d[g] * da[g] are made in two registers and broadcast from there (a round trip through memory would stall on
-// store forwarding), and the minima's term m[g] * sa[g] is accumulated alongside; the R sums are reduced together.
-template <int R>
-static inline void int4_dot(const uint8_t* row, const uint16_t* dr, const uint16_t* mr, int64_t K, const int8_t* a,
-                            const float* da, const float* sa, float* out) {
-  const int64_t G = K / 32, U = K / 64;
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  __m256 acc0[R], acc1[R];
-  __m512 mins[R];
-  for (int r = 0; r < R; ++r) { acc0[r] = acc1[r] = _mm256_setzero_ps(); mins[r] = _mm512_setzero_ps(); }
-  for (int64_t g0 = 0; g0 < G; g0 += 16) {
-    const __mmask16 k = (G - g0) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g0)) - 1);
-    const __m512 dav = _mm512_maskz_loadu_ps(k, da + g0), sav = _mm512_maskz_loadu_ps(k, sa + g0);
-    __m256 clo[R], chi[R];
-    for (int r = 0; r < R; ++r) {
-      const __m512 c = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dr + r * G + g0)), dav);
-      clo[r] = _mm512_castps512_ps256(c);
-      chi[r] = _mm512_extractf32x8_ps(c, 1);
-      mins[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mr + r * G + g0)), sav, mins[r]);
-    }
-    const int64_t u0 = g0 / 2, u1 = std::min<int64_t>(U, u0 + 8);
-    for (int64_t u = u0; u < u1; ++u) {
-      const int j = (int)(u - u0);
-      const __m256i i0 = _mm256_set1_epi32((2 * j) & 7), i1 = _mm256_set1_epi32((2 * j + 1) & 7);
-      const __m256i a0 = _mm256_loadu_si256((const __m256i*)(a + u * 64));
-      const __m256i a1 = _mm256_loadu_si256((const __m256i*)(a + u * 64 + 32));
-      for (int r = 0; r < R; ++r) {
-        // the rows two blocks ahead: streamed from memory, they would otherwise wait on the hardware prefetcher
-        _mm_prefetch((const char*)(row + (2 * R + r) * (K / 2) + u * 32), _MM_HINT_T0);
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(row + r * (K / 2) + u * 32));
-        const __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(v, nib), a0);
-        const __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), a1);
-        const __m256 c = j < 4 ? clo[r] : chi[r];
-        acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_permutevar8x32_ps(c, i0), acc0[r]);
-        acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_permutevar8x32_ps(c, i1), acc1[r]);
+// The weights are packed for vertical dot products (quant_linear.pack_int4): output rows in blocks of 16, one 64-byte
+// line per block and 8 inputs, whose 4 bytes at 4 * r hold row r's codes of inputs 8o..8o+3 in the low nibbles and
+// 8o+4..8o+7 in the high ones. A line's low (or high) nibbles are then one vpdpbusd operand whose lane r meets the
+// 4 activation bytes broadcast to every lane: 16 rows x 4 inputs per instruction, with no horizontal sums. The
+// scales and minima are [blocks, groups, 16] float16, one 32-byte load per block and group.
+// Each output element sums its groups in order, fma(sum_g, d * da, acc) then fma(m, sa, acc), whatever the number
+// of rows, the tile or the thread: every batch size computes the same float result.
+template <int T>
+static inline void int4_tile(const uint8_t* wb, const uint16_t* db, const uint16_t* mb, int64_t G, const int8_t* qa,
+                             const float* da, const float* sa, int64_t K, float* out, int64_t ldo, __mmask16 rows) {
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(db + g * 16)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mb + g * 16)));
+    __m512i sum[T];
+    for (int t = 0; t < T; ++t) sum[t] = _mm512_setzero_si512();
+    const uint8_t* lines = wb + g * 4 * 64;
+    _mm_prefetch((const char*)(lines + 8 * 64), _MM_HINT_T0);
+    _mm_prefetch((const char*)(lines + 12 * 64), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o) {
+      const __m512i v = _mm512_loadu_si512((const void*)(lines + o * 64));
+      const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      for (int t = 0; t < T; ++t) {
+        const int32_t* a = (const int32_t*)(qa + t * K + g * 32 + o * 8);
+        sum[t] = _mm512_dpbusd_epi32(sum[t], lo, _mm512_set1_epi32(a[0]));
+        sum[t] = _mm512_dpbusd_epi32(sum[t], hi, _mm512_set1_epi32(a[1]));
       }
     }
+    for (int t = 0; t < T; ++t) {
+      const int64_t i = t * G + g;
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(d, _mm512_set1_ps(da[i])), acc[t]);
+      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[i]), acc[t]);
+    }
   }
-  __m256 v[R];
-  for (int r = 0; r < R; ++r)
-    v[r] = _mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]),
-                         _mm256_add_ps(_mm512_castps512_ps256(mins[r]), _mm512_extractf32x8_ps(mins[r], 1)));
-  if constexpr (R == 4) {  // four horizontal sums at once
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-  } else {
-    for (int r = 0; r < R; ++r) out[r] = hsum256(v[r]);
-  }
+  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * ldo, rows, acc[t]);
 }
 
-// out [M, N] fp32 = x [M, K] against 4-bit weights qw [N, K/2] (uint8), d and m [N, K/32] (float16); K % 64 == 0.
+// out [M, N] fp32 = x [M, K] against 4-bit weights qw [ceil(N/16), K/8, 64] (uint8, the layout above), d and m
+// [ceil(N/16), K/32, 16] (float16); K % 64 == 0. Blocks of 16 output rows are split across torch's threads; each
+// thread runs its blocks against 8 activation rows at a time, the block's weights staying in L1 between them.
 void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
-  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0), G = K / 32;
-  TORCH_CHECK(K % 64 == 0 && qw.size(1) == K / 2 && d.size(1) == G && m.size(1) == G, "int4_linear: bad shapes");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NB = qw.size(0), G = K / 32;
+  TORCH_CHECK(K % 64 == 0 && x.is_contiguous() && out.is_contiguous() && out.size(0) == M && qw.is_contiguous() &&
+              qw.size(1) == K / 8 && qw.size(2) == 64 && NB * 16 >= N && NB * 16 < N + 16 && d.is_contiguous() &&
+              m.is_contiguous() && d.size(0) == NB && d.size(1) == G && d.size(2) == 16 && m.sizes() == d.sizes(),
+              "int4_linear: bad shapes or strides");
   const float* xp = x.data_ptr<float>();
   std::vector<int8_t> qa(M * K);
   std::vector<float> da(M * G), sa(M * G);
-  for (int64_t r = 0; r < M; ++r) quantize_activation(xp + r * K, K, qa.data() + r * K, da.data() + r * G, sa.data() + r * G);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_activation(xp + r * K, K, qa.data() + r * K, da.data() + r * G, sa.data() + r * G);
+  });
   const uint8_t* wp = qw.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
-  constexpr int R = 4;
-  at::parallel_for(0, (N + R - 1) / R, 4, [&](int64_t begin, int64_t end) {
-    float dots[R];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * R, rows = std::min<int64_t>(R, N - n0);
-      const uint8_t* row = wp + n0 * (K / 2);
-      for (int64_t t = 0; t < M; ++t) {
-        const int8_t* a = qa.data() + t * K;
-        const float* dat = da.data() + t * G;
-        const float* sat = sa.data() + t * G;
-        if (rows == R) int4_dot<R>(row, dp + n0 * G, mp + n0 * G, K, a, dat, sat, dots);
-        else for (int64_t r = 0; r < rows; ++r)
-          int4_dot<1>(row + r * (K / 2), dp + (n0 + r) * G, mp + (n0 + r) * G, K, a, dat, sat, dots + r);
-        for (int64_t r = 0; r < rows; ++r) op[t * N + n0 + r] = dots[r];
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* wb = wp + b * (K / 8) * 64;
+      const uint16_t* db = dp + b * G * 16;
+      const uint16_t* mb = mp + b * G * 16;
+      const int64_t n0 = b * 16;
+      const __mmask16 rows = N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+      int64_t t = 0;
+      for (; t + 8 <= M; t += 8)
+        int4_tile<8>(wb, db, mb, G, qa.data() + t * K, da.data() + t * G, sa.data() + t * G, K, op + t * N + n0, N, rows);
+      const int64_t left = M - t;
+      const int8_t* a = qa.data() + t * K;
+      const float *dt = da.data() + t * G, *st = sa.data() + t * G;
+      float* o = op + t * N + n0;
+      switch (left) {
+        case 7: int4_tile<7>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 6: int4_tile<6>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 5: int4_tile<5>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 4: int4_tile<4>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 3: int4_tile<3>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 2: int4_tile<2>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 1: int4_tile<1>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        default: break;
       }
     }
   });
@@ -258,10 +256,6 @@ static void linear_into(const std::vector<torch::Tensor>& L, const torch::Tensor
   if (L.size() > n) out.add_(L[n]);
 }
 
-static int64_t out_features(const std::vector<torch::Tensor>& L) {
-  return L[0].scalar_type() == at::kFloat ? L[0].size(1) : L[0].size(0);
-}
-
 // qkv [T, (H + 2 KVH) * D] = (RMSNorm of residual += x) W_qkv, with RoPE applied to its first rope_heads heads.
 // x undefined: the first layer, whose residual is its input. With k_cache/v_cache (a float32 KVStore layer,
 // [blocks, block_size, KVH, D]) and slots, the step's k and v rows are then stored at their slots.
@@ -289,10 +283,10 @@ void attn_in(torch::Tensor qkv, torch::Tensor residual, c10::optional<torch::Ten
   }
 }
 
-// out [T, hidden] = down(silu(gate) * up) of RMSNorm(residual += o_proj(attn)), gate/up fused as [gate | up].
+// out [T, hidden] = down(silu(gate) * up) of RMSNorm(residual += o_proj(attn)), gate/up fused as [gate | up] of I each.
 void mlp(torch::Tensor out, torch::Tensor residual, torch::Tensor attn, std::vector<torch::Tensor> w_o, torch::Tensor norm,
-         double eps, std::vector<torch::Tensor> w_gate_up, std::vector<torch::Tensor> w_down) {
-  const int64_t T = residual.size(0), I = out_features(w_gate_up) / 2;
+         double eps, std::vector<torch::Tensor> w_gate_up, std::vector<torch::Tensor> w_down, int64_t I) {
+  const int64_t T = residual.size(0);
   auto o = torch::empty_like(residual);
   linear_into(w_o, attn, o);
   auto h = torch::empty_like(residual);

@@ -200,7 +200,8 @@ class DecoderLayer(nn.Module):
         src = None if native else store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
         o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
         out = torch.empty(T, residual.shape[1])
-        self.kernels.mlp(out, residual, o.view(T, -1), w_o, self.post_norm, self.eps, w_gate_up, w_down)
+        self.kernels.mlp(out, residual, o.view(T, -1), w_o, self.post_norm, self.eps, w_gate_up, w_down,
+                         self.gate_up.out_features // 2)
         return out, residual
 
 

@@ -117,15 +117,34 @@ def _int4_layer(k: int, n: int, seed: int, bias: bool = True) -> tuple[Int4Dense
 
 
 def test_int4_quantization_is_q4_1_and_packs_losslessly():
-    w = torch.randn(6, 128) * 3
+    w = torch.randn(32, 128) * 3
     codes, d, m = quantize_groups(w)
     assert codes.dtype == torch.uint8 and int(codes.max()) == 15 and int(codes.min()) == 0
-    assert d.dtype == m.dtype == torch.float16 and d.shape == m.shape == (6, 4)
-    deq = codes.float().reshape(6, 4, 32) * d.float()[..., None] + m.float()[..., None]
-    assert ((deq.reshape(6, 128) - w).abs() <= d.float().repeat_interleave(32, 1) / 2 + 2e-3).all()
-    assert torch.equal(unpack_int4(pack_int4(codes)), codes)
-    again = quantize_groups(deq.reshape(6, 128))  # Q4_1 weights re-quantized give back their own codes
+    assert d.dtype == m.dtype == torch.float16 and d.shape == m.shape == (32, 4)
+    deq = codes.float().reshape(32, 4, 32) * d.float()[..., None] + m.float()[..., None]
+    assert ((deq.reshape(32, 128) - w).abs() <= d.float().repeat_interleave(32, 1) / 2 + 2e-3).all()
+    packed = pack_int4(codes)
+    assert packed.shape == (2, 128 // 8, 64) and torch.equal(unpack_int4(packed), codes)
+    # the kernel's layout: block 1, inputs 8..15, row 3: byte 4 * 3 + i holds input 8 + i low and 12 + i high
+    assert [int(b) for b in packed[1, 1, 12:16]] == [int(codes[19, 8 + i]) | int(codes[19, 12 + i]) << 4 for i in range(4)]
+    again = quantize_groups(deq.reshape(32, 128))  # Q4_1 weights re-quantized give back their own codes
     assert torch.equal(again[0], codes) and torch.equal(again[1], d) and torch.equal(again[2], m)
+
+
+def test_int4_rows_load_in_any_chunks():
+    """A checkpoint's rows arrive in chunks that do not align with the 16-row blocks: the stored codes and scales are
+    the same as loading them at once, and the padding rows past out_features stay zero."""
+    w = torch.randn(37, 64)
+    whole, parts = Int4Dense(64, 37, bias=False), Int4Dense(64, 37, bias=False)
+    with torch.no_grad():
+        whole.load_rows(0, w)
+        for a, b in ((0, 5), (5, 21), (21, 37)):
+            parts.load_rows(a, w[a:b])
+    assert all(torch.equal(x, y) for x, y in zip(whole.codes(), parts.codes()))
+    assert torch.equal(whole.qweight, parts.qweight) and torch.equal(whole.scale, parts.scale)
+    codes, d, m = quantize_groups(w)
+    assert torch.equal(whole.codes()[0], codes) and torch.equal(whole.codes()[1], d)
+    assert not whole.qweight[2].reshape(-1, 16, 4)[:, 37 - 32:].any() and not whole.scale[2, :, 37 - 32:].any()
 
 
 def test_int4_activations_round_per_group_of_32():
