@@ -24,9 +24,8 @@ class ModelRunner:
         self.model, self.store, self.kv, self.device = model, store, kv, device
         self.backend = backend  # see attention/backend.py
         self.decode_kernel = backend in ("cpu", "triton")
-        # CPU threads for steps of at most SMALL_STEP_ROWS tokens (None: every step uses all of torch's threads).
-        # A server sets it to leave a core to its HTTP frontend: such steps are bound by reading the weights, which
-        # one core less barely slows, while a frontend thread preempting a kernel's thread stalls the whole step.
+        # CPU threads for steps of at most SMALL_STEP_ROWS tokens (None: every step uses all of torch's threads);
+        # a server sets it from KVCACHE_SMALL_STEP_THREADS.
         self.small_step_threads: int | None = None
         self.all_threads = torch.get_num_threads()
         self.tables = DeviceBlockTables(device)  # the device copy of kv's block tables, updated by diffs

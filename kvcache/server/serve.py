@@ -38,14 +38,13 @@ def model_name(path: str | None, given: str | None) -> str:
 def create(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
            max_waiting_requests: int = 512, max_body_bytes: int = 4 * 2**20, log_interval_s: float = 10.0):
     """Build the engine, its loop (started) and the app; returns (app, loop)."""
-    from kvcache.engine.llm_engine import LLMEngine
     from kvcache.server.app import build_app
-    from kvcache.server.engine_loop import EngineLoop
+    from kvcache.server.engine_loop import EngineLoop, build_engine
     from kvcache.server.metrics import ServerMetrics
 
     if max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {max_waiting_requests}")
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     name = model_name(config.model, served_model_name)
     metrics = ServerMetrics(engine, name)
     loop = EngineLoop(engine, metrics, log_interval_s)

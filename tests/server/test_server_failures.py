@@ -252,3 +252,17 @@ def test_float16_overflow_is_a_500_for_that_request_and_the_server_serves_on(tin
             assert_healthy(client, srv.url)
     finally:
         srv.stop()
+
+
+def test_the_server_builds_its_engine_on_a_thread_that_ends(tiny_llama):
+    """build_engine loads on a thread of its own (so that the engine thread is the only OpenMP master) and hands
+    back the engine, or re-raises the loading error itself on the caller's thread."""
+    import threading
+
+    from kvcache.config import EngineConfig
+    from kvcache.server.engine_loop import build_engine
+    engine = build_engine(EngineConfig(model=tiny_llama, kv_cache_memory="1MiB"))
+    assert engine.kv_cache_info()["num_blocks"] > 0
+    assert not [t for t in threading.enumerate() if t.name == "kvcache-load"]
+    with pytest.raises(ValueError, match="max_model_len 99,999 exceeds"):
+        build_engine(EngineConfig(model=tiny_llama, max_model_len=99_999))
