@@ -103,24 +103,46 @@ def tier_key(fingerprint: bytes, chain_hash: int) -> bytes:
 
 
 def _write_loop(jobs: queue.Queue, tiers: list[Tier], fingerprint: bytes, events: KVEventLog | None) -> None:
-    """The writer thread: serialize each queued snapshot of blocks and put it in every tier, until a None."""
+    """The writer thread: serialize each queued snapshot of blocks and put it in every tier, until a None.
+
+    Each job is written by `_write_job`, so no tensor of it is left in this frame while it waits: a thread that
+    frees a tensor after the interpreter began finalizing is killed inside torch's C++ and aborts the process."""
     while True:
         job = jobs.get()
         try:
             if job is None:
                 return
-            blocks, rows = job
-            data = rows.cpu().numpy()
-            for (h, parent, tokens), row in zip(blocks, data):
-                value = encode_block(fingerprint, h, tokens, row)
-                for tier in tiers:
-                    # recorded at once: a later put of this job may drop it again, and its event must follow
-                    if tier.put(tier_key(fingerprint, h), value) and events is not None:
-                        events.stored([h], parent, list(tokens), tier.medium)
+            _write_job(job, tiers, fingerprint, events)
         except Exception:  # a bug here must not kill the thread silently: log it and go on
             log.exception("offload writer failed on a batch of blocks")
         finally:
+            job = None
             jobs.task_done()
+
+
+def _write_job(job, tiers: list[Tier], fingerprint: bytes, events: KVEventLog | None) -> None:
+    blocks, rows = job
+    data = rows.cpu().numpy()
+    for (h, parent, tokens), row in zip(blocks, data):
+        value = encode_block(fingerprint, h, tokens, row)
+        for tier in tiers:
+            # recorded at once: a later put of this job may drop it again, and its event must follow
+            if tier.put(tier_key(fingerprint, h), value) and events is not None:
+                events.stored([h], parent, list(tokens), tier.medium)
+
+
+def _stop_writer(jobs: queue.Queue, writer: threading.Thread, timeout: float) -> None:
+    """Queue the writer's stop and wait for it to end (an Offloader's finalizer: at close, at collection, and at
+    exit, before the interpreter finalizes, so what was queued is written and the thread is gone by then)."""
+    if not writer.is_alive():
+        return
+    try:
+        jobs.put(None, timeout=timeout)
+    except queue.Full:  # the writer is stuck: leave it (a daemon) rather than hang the caller
+        log.warning("offload writer did not drain its queue in %.0f s; stopping without it", timeout)
+        return
+    if writer is not threading.current_thread():
+        writer.join(timeout)
 
 
 def _chain_hash(key: bytes) -> int:
@@ -162,7 +184,7 @@ class Offloader:
         self._writer = threading.Thread(target=_write_loop, args=(self._queue, tiers, fingerprint, events),
                                         name="kvcache-offload", daemon=True)
         self._writer.start()
-        self._finalizer = weakref.finalize(self, self._queue.put, None)
+        self._finalizer = weakref.finalize(self, _stop_writer, self._queue, self._writer, 30.0)
 
     def key(self, chain_hash: int) -> bytes:
         return tier_key(self.fingerprint, chain_hash)
@@ -190,7 +212,7 @@ class Offloader:
         if not self._writer.is_alive():
             return
         self.flush()
-        self._finalizer()  # queues the writer's stop, once
+        self._finalizer()  # stops the writer, once
         self._writer.join(timeout)
 
     # ---- load (engine thread) -----------------------------------------------------------------------------------
