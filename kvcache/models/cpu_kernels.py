@@ -20,6 +20,7 @@ from kvcache import native
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
 #include <math.h>
 #include <cmath>
@@ -245,12 +246,24 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 // ---- a decoder layer's decode-sized work in two calls (llama.py's DecoderLayer.forward, float32 activations) ----
-// A linear layer arrives as its tensors: float32 Dense [weight [in, out], (bias)], Int8Dense [weight int8 [out, in],
+// A linear layer arrives as its tensors: float32 Dense [weight [in, out] or oneDNN-packed, (bias)], Int8Dense [weight int8 [out, in],
 // scale, (bias)] or Int4Dense [qweight uint8, scale, minimum, (bias)].
+// A float32 weight packed by oneDNN (Dense.pack: mkldnn::_reorder_linear_weight) goes through oneDNN's linear, the
+// op PyTorch's own CPU inference path (inductor's weight prepacking) calls, through the dispatcher.
+static void packed_linear_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor out) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, c10::IValue(), c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
+  op.callBoxed(&stack);
+  out.copy_(stack[0].toTensor());
+}
+
 static void linear_into(const std::vector<torch::Tensor>& L, const torch::Tensor& x_, torch::Tensor out) {
   const torch::Tensor x = x_.contiguous();
   size_t n;
-  if (L[0].scalar_type() == at::kByte) { int4_linear(out, x, L[0], L[1], L[2]); n = 3; }
+  if (L[0].is_mkldnn()) { packed_linear_into(x, L[0], out); n = 1; }
+  else if (L[0].scalar_type() == at::kByte) { int4_linear(out, x, L[0], L[1], L[2]); n = 3; }
   else if (L[0].scalar_type() == at::kChar) { int8_linear(out, x, L[0], L[1]); n = 2; }
   else { at::mm_out(out, x, L[0]); n = 1; }
   if (L.size() > n) out.add_(L[n]);
@@ -293,16 +306,9 @@ void mlp(torch::Tensor out, torch::Tensor residual, torch::Tensor attn, std::vec
   add_rms_norm(h, residual, o, norm, eps);
   auto gu = torch::empty({T, 2 * I}, residual.options());
   linear_into(w_gate_up, h, gu);
-  auto act = torch::empty({T, I}, residual.options());
-  float* gp = gu.data_ptr<float>();
-  float* ap = act.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    const float* g = gp + t * 2 * I;
-    const float* u = g + I;
-    float* a = ap + t * I;
-    #pragma omp simd
-    for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-  }
+  // SiLU(gate) * up by ATen's vectorized, threaded kernels (GCC leaves an expf loop scalar without -ffast-math)
+  auto act = at::silu(gu.narrow(1, 0, I));
+  act.mul_(gu.narrow(1, I, I));
   linear_into(w_down, act, out);
 }
 """

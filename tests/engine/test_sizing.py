@@ -46,7 +46,11 @@ def test_the_cpu_budget_is_taken_after_the_weights_and_logged(tiny_llama, caplog
         llm = LLM(tiny_llama, max_model_len=64)
     info = llm.kv_cache_info()
     assert info["device"] == "cpu" and info["compute_dtype"] == "float32"
-    assert info["weight_bytes"] == 4 * sum(p.numel() for p in llm.engine.model.parameters())
+    # every tensor the weights are held in: the parameters and the oneDNN-packed linear weights (Dense.pack)
+    model = llm.engine.model
+    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
+    assert packed and info["weight_bytes"] == 4 * (sum(p.numel() for p in model.parameters())
+                                                   + sum(t.numel() for t in packed))
     assert "the CPU default of 2 GiB, at most half of the" in info["kv_cache_budget"]
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:"))
     assert "of float32 on cpu; attention backend cpu" in line and "KV budget" in line and "RAM available after" in line

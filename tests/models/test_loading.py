@@ -78,7 +78,10 @@ def test_loading_takes_little_more_than_the_weights(mid_model, dtype):
     params = sum(t.numel() for t in AutoModelForCausalLM.from_pretrained(mid_model).parameters())
     assert m["weights"] == params * torch.finfo(getattr(torch, dtype)).bits // 8
     extra = m["peak"] - m["base"]
-    assert extra <= 1.25 * m["weights"] + SLACK, (extra / 2**20, m["weights"] / 2**20)
+    # float32 weights are then repacked for oneDNN one matrix at a time (Dense.pack): that matrix and its copy
+    # exist together for a moment; the largest here is the head, 32,000 x 512 (a third of this small model)
+    repack = 32000 * 512 * 4 if dtype == "float32" else 0
+    assert extra <= 1.25 * m["weights"] + repack + SLACK, (extra / 2**20, m["weights"] / 2**20)
     assert m["final"] - m["base"] >= 0.9 * m["weights"]  # the probe sees the weights themselves
 
 

@@ -1,0 +1,46 @@
+"""float32 CPU weights packed for oneDNN (Dense.pack): the model computes what it computes with MKL on the dense
+weights, holds each weight once (a tied head keeps its dense copy for the embedding lookups, and counts both), and
+KVCACHE_PACKED_WEIGHTS=0 keeps the dense path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.models.llama import Dense
+from kvcache.models.loader import build_model, read_checkpoint
+from tiny_models import TINY_ARCHS
+
+
+def _dense(model):
+    return [m for m in model.modules() if isinstance(m, Dense)]
+
+
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+def test_packed_weights_compute_what_the_dense_ones_do(tiny_model_dirs, arch, monkeypatch):
+    from test_half_precision import kv_logits
+    loaded = read_checkpoint(tiny_model_dirs[arch])
+    packed = build_model(loaded, 128)
+    monkeypatch.setenv("KVCACHE_PACKED_WEIGHTS", "0")
+    dense = build_model(loaded, 128)
+    assert all(m.packed is None and m.weight is not None for m in _dense(dense))
+    for m in _dense(packed):
+        assert m.packed is not None and m.packed.is_mkldnn
+        assert (m.weight is not None) == (m is packed.lm_head and packed.tied)  # dropped, unless looked up
+    extra = packed.lm_head.weight.numel() * 4 if packed.tied else 0
+    assert packed.weight_bytes == dense.weight_bytes + extra
+    ids = list(range(3, 60))
+    for chunk in (7, 64):  # decode-sized steps (the fused C++ calls) and one prefill (the op-by-op path)
+        got, want = kv_logits(packed, ids, chunk), kv_logits(dense, ids, chunk)
+        torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_pack_refuses_what_it_cannot_pack():
+    half = Dense(8, 16, bias=False).to(torch.bfloat16)
+    assert not half.pack() and half.packed is None and half.weight is not None
+    d = Dense(8, 16, bias=True)
+    torch.nn.init.normal_(d.weight), torch.nn.init.normal_(d.bias)
+    x = torch.randn(3, 8)
+    want = d(x)
+    assert d.pack() and not d.pack()  # once
+    torch.testing.assert_close(d(x), want, atol=1e-5, rtol=1e-5)
