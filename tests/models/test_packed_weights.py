@@ -31,8 +31,11 @@ def test_packed_weights_compute_what_the_dense_ones_do(tiny_model_dirs, arch, mo
     ids = list(range(3, 60))
     for chunk in (7, 64):  # decode-sized steps (the fused C++ calls) and one prefill (the op-by-op path)
         got, want = kv_logits(packed, ids, chunk), kv_logits(dense, ids, chunk)
-        torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        tol = 1e-4 * want.abs().max().item()
+        torch.testing.assert_close(got, want, atol=tol, rtol=0)
+        top2 = want.topk(2, -1).values
+        clear = top2[:, 0] - top2[:, 1] > 2 * tol  # greedy agrees wherever rounding cannot flip it
+        assert clear.float().mean() > 0.8 and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
 def test_pack_refuses_what_it_cannot_pack():
