@@ -29,9 +29,13 @@ def build(name: str, source: str, functions: list[str], flags: list[str], what: 
     if os.environ.get("KVCACHE_CPU_KERNEL", "1") == "0":
         return None
     binds = "\n".join(f'  m.def("{f}", &{f}, py::call_guard<py::gil_scoped_release>());' for f in functions)
+    full = source + f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}\n}}\n"
+    # Named by the source too: two checkouts (or versions) sharing the cache each keep their own build, instead of
+    # rebuilding over each other's, and one never loads the other's functions
+    tag = hashlib.sha256(full.encode()).hexdigest()[:8]
     try:
         from torch.utils.cpp_extension import load_inline
-        return load_inline(f"{name}_{cpu_tag()}", cpp_sources=[source + f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}\n}}\n"],
+        return load_inline(f"{name}_{cpu_tag()}_{tag}", cpp_sources=[full],
                            extra_cflags=["-O3", "-march=native", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
                            verbose=False)
     except Exception as e:  # no compiler, no headers, no AVX-512

@@ -42,6 +42,9 @@ def main() -> int:
     p.add_argument("--json", default="results/compile_trial.json")
     args = p.parse_args()
     sys.path.insert(0, ROOT)
+    # eager and compiled runs read the dense [in, out] weights: keep them (the engine packs them for oneDNN otherwise,
+    # and the fused call then runs oneDNN's linear, not the GEMM the other two use)
+    os.environ["KVCACHE_PACKED_WEIGHTS"] = "0"
     import torch
 
     from kvcache import LLM
@@ -62,8 +65,8 @@ def main() -> int:
 
         def fused():
             for lay in layers:
-                lay.kernels.mlp(torch.empty_like(resid), resid.clone(), attn, lay.fused[1], lay.post_norm, lay.eps,
-                                lay.fused[2], lay.fused[3])
+                lay.kernels.mlp(resid.clone(), attn, lay.fused[1], lay.post_norm, lay.eps, lay.fused[2], lay.fused[3],
+                                lay.gate_up.out_features // 2)
 
         with torch.inference_mode():
             t = time.perf_counter()

@@ -7,7 +7,7 @@
 - `add_rms_norm`: the residual sum and RMSNorm of a layer's input in one pass over each row (float32).
 - `rope_`: rotate-half RoPE of a step's query and key heads in place, in the q/k/v product's own buffer (float32).
 
-- `attn_in` and `mlp`: a decoder layer's decode-sized work around attention in two calls (RMSNorm, the q/k/v
+- `attn_in` and `mlp`: a decoder layer's work around attention in two calls (RMSNorm, the q/k/v
   product and RoPE; the output projection, RMSNorm, gate/up, SiLU x up and down), for float32, int8 and int4 layers.
 
 A decode step of a small model is a few hundred tiny ops, and on one core their Python dispatch costs as much as
@@ -245,41 +245,52 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   });
 }
 
-// ---- a decoder layer's decode-sized work in two calls (llama.py's DecoderLayer.forward, float32 activations) ----
+// ---- a decoder layer's work around attention in two calls (llama.py's DecoderLayer.forward, float32 activations) ----
 // A linear layer arrives as its tensors: float32 Dense [weight [in, out] or oneDNN-packed, (bias)], Int8Dense [weight int8 [out, in],
 // scale, (bias)] or Int4Dense [qweight uint8, scale, minimum, (bias)].
 // A float32 weight packed by oneDNN (Dense.pack: mkldnn::_reorder_linear_weight) goes through oneDNN's linear, the
-// op PyTorch's own CPU inference path (inductor's weight prepacking) calls, through the dispatcher.
-static void packed_linear_into(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor out) {
+// op PyTorch's own CPU inference path (inductor's weight prepacking) calls, through the dispatcher; its result is
+// used as it comes (no copy into a buffer of ours).
+static torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, w, c10::IValue(), c10::IValue(std::string("none")),
                           c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
   op.callBoxed(&stack);
-  out.copy_(stack[0].toTensor());
+  return stack[0].toTensor();
 }
 
-static void linear_into(const std::vector<torch::Tensor>& L, const torch::Tensor& x_, torch::Tensor out) {
+// x [T, in] times a linear layer of N outputs, as a new [T, N] tensor.
+static torch::Tensor linear(const std::vector<torch::Tensor>& L, const torch::Tensor& x_, int64_t N) {
   const torch::Tensor x = x_.contiguous();
-  size_t n;
-  if (L[0].is_mkldnn()) { packed_linear_into(x, L[0], out); n = 1; }
-  else if (L[0].scalar_type() == at::kByte) { int4_linear(out, x, L[0], L[1], L[2]); n = 3; }
-  else if (L[0].scalar_type() == at::kChar) { int8_linear(out, x, L[0], L[1]); n = 2; }
-  else { at::mm_out(out, x, L[0]); n = 1; }
+  torch::Tensor out;
+  size_t n = 1;
+  if (L[0].is_mkldnn()) {
+    out = packed_linear(x, L[0]);
+  } else {
+    out = torch::empty({x.size(0), N}, x.options());
+    if (L[0].scalar_type() == at::kByte) { int4_linear(out, x, L[0], L[1], L[2]); n = 3; }
+    else if (L[0].scalar_type() == at::kChar) { int8_linear(out, x, L[0], L[1]); n = 2; }
+    else at::mm_out(out, x, L[0]);
+  }
   if (L.size() > n) out.add_(L[n]);
+  return out;
 }
 
-// qkv [T, (H + 2 KVH) * D] = (RMSNorm of residual += x) W_qkv, with RoPE applied to its first rope_heads heads.
-// x undefined: the first layer, whose residual is its input. With k_cache/v_cache (a float32 KVStore layer,
+// qkv [T, cols = (H + 2 KVH) * D] = (RMSNorm of residual += x) W_qkv, with RoPE applied to its first rope_heads
+// heads. x undefined: the first layer, whose residual is its input. With k_cache/v_cache (a float32 KVStore layer,
 // [blocks, block_size, KVH, D]) and slots, the step's k and v rows are then stored at their slots.
-void attn_in(torch::Tensor qkv, torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor norm, double eps,
-             std::vector<torch::Tensor> w_qkv, torch::Tensor cos, torch::Tensor sin, int64_t rope_heads, int64_t head_dim,
-             c10::optional<torch::Tensor> k_cache, c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slots) {
+torch::Tensor attn_in(torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor norm, double eps,
+                      std::vector<torch::Tensor> w_qkv, int64_t cols, torch::Tensor cos, torch::Tensor sin,
+                      int64_t rope_heads, int64_t head_dim, c10::optional<torch::Tensor> k_cache,
+                      c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slots) {
   auto h = torch::empty_like(residual);
   add_rms_norm(h, residual, x, norm, eps);
-  linear_into(w_qkv, h, qkv);
+  auto qkv = linear(w_qkv, h, cols);
+  TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == cols, "attn_in: the q/k/v product has ", qkv.size(1),
+              " columns, not ", cols);
   rope_(qkv.view({qkv.size(0), -1, head_dim}).narrow(1, 0, rope_heads), cos, sin);
-  if (!k_cache.has_value()) return;
+  if (!k_cache.has_value()) return qkv;
   const int64_t T = qkv.size(0), row = qkv.size(1), kv = k_cache->size(2) * head_dim, H = rope_heads * head_dim - kv;
   const int64_t cap = k_cache->size(0) * k_cache->size(1);
   TORCH_CHECK(k_cache->is_contiguous() && v_cache->is_contiguous() && v_cache->sizes() == k_cache->sizes() &&
@@ -294,22 +305,21 @@ void attn_in(torch::Tensor qkv, torch::Tensor residual, c10::optional<torch::Ten
     std::memcpy(kp + sp[t] * kv, src + t * row + H, kv * sizeof(float));
     std::memcpy(vp + sp[t] * kv, src + t * row + H + kv, kv * sizeof(float));
   }
+  return qkv;
 }
 
-// out [T, hidden] = down(silu(gate) * up) of RMSNorm(residual += o_proj(attn)), gate/up fused as [gate | up] of I each.
-void mlp(torch::Tensor out, torch::Tensor residual, torch::Tensor attn, std::vector<torch::Tensor> w_o, torch::Tensor norm,
-         double eps, std::vector<torch::Tensor> w_gate_up, std::vector<torch::Tensor> w_down, int64_t I) {
-  const int64_t T = residual.size(0);
-  auto o = torch::empty_like(residual);
-  linear_into(w_o, attn, o);
+// down(silu(gate) * up) [T, hidden] of RMSNorm(residual += o_proj(attn)), gate/up fused as [gate | up] of I each.
+torch::Tensor mlp(torch::Tensor residual, torch::Tensor attn, std::vector<torch::Tensor> w_o, torch::Tensor norm,
+                  double eps, std::vector<torch::Tensor> w_gate_up, std::vector<torch::Tensor> w_down, int64_t I) {
+  const int64_t D = residual.size(1);
+  auto o = linear(w_o, attn, D);
   auto h = torch::empty_like(residual);
-  add_rms_norm(h, residual, o, norm, eps);
-  auto gu = torch::empty({T, 2 * I}, residual.options());
-  linear_into(w_gate_up, h, gu);
+  add_rms_norm(h, residual, o.contiguous(), norm, eps);
+  auto gu = linear(w_gate_up, h, 2 * I);
   // SiLU(gate) * up by ATen's vectorized, threaded kernels (GCC leaves an expf loop scalar without -ffast-math)
   auto act = at::silu(gu.narrow(1, 0, I));
   act.mul_(gu.narrow(1, I, I));
-  linear_into(w_down, act, out);
+  return linear(w_down, act, D);
 }
 """
 

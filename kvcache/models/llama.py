@@ -158,7 +158,7 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.scale = hd ** -0.5
         self.kernels = None  # the C++ CPU kernels (cpu_kernels.py) when computing in float32 on the CPU
-        self.fused: list[list[torch.Tensor]] | None = None  # the linears' tensors for the fused decode path
+        self.fused: list[list[torch.Tensor]] | None = None  # the linears' tensors for the fused path
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,16 +183,20 @@ class DecoderLayer(nn.Module):
         return x
 
     def fuse(self, kernels) -> None:
-        """Hand the C++ kernels this layer's weights for decode-sized steps (float32 on the CPU; int4 needs VNNI)."""
+        """Hand the C++ kernels this layer's weights (float32 on the CPU; int4 needs VNNI)."""
         self.kernels = kernels
         linears = (self.qkv, self.o_proj, self.gate_up, self.down)
         usable = kernels is not None and not self.qk_norm and all(
             not isinstance(m, Int4Dense) or cpu_kernels.has_int4() for m in linears)
         self.fused = [_kernel_tensors(m) for m in linears] if usable else None
+        # int8's kernel is for decode-sized steps (its layer dequantizes above them); the float32 (oneDNN, MKL) and
+        # int4 kernels take any number of rows, so every step of such a layer is fused, prefill included
+        self.fused_any_rows = not any(isinstance(m, Int8Dense) for m in linears)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused is not None and x.shape[0] <= FUSED_MAX_ROWS and batch.capture_rows is None:
+        if (self.fused is not None and batch.capture_rows is None and FUSED_MAX_ROWS > 0
+                and (x.shape[0] <= FUSED_MAX_ROWS or self.fused_any_rows)):
             return self._forward_fused(x, residual, cos, sin, batch, store, ws)
         h, residual = self._add_norm(x, residual, self.input_norm)
         T, hd, H = h.shape[0], self.head_dim, self.num_heads
@@ -216,22 +220,20 @@ class DecoderLayer(nn.Module):
     def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                        batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward() for a decode-sized step in two native calls around attention (the same arithmetic)."""
+        """forward() in two native calls around attention (the same arithmetic)."""
         T, hd, H, KVH = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         w_qkv, w_o, w_gate_up, w_down = self.fused
-        qkv = torch.empty(T, (H + 2 * KVH) * hd)
         if residual is None:
             residual, x = x, None
         native = _native_write(store)  # a float32 store: attn_in stores K/V itself
         cache = store.native_write(self.index, batch.slot_mapping) if native else (None, None, None)
-        self.kernels.attn_in(qkv, residual, x, self.input_norm, self.eps, w_qkv, cos, sin, H + KVH, hd, *cache)
-        qkv = qkv.view(T, -1, hd)
+        qkv = self.kernels.attn_in(residual, x, self.input_norm, self.eps, w_qkv, (H + 2 * KVH) * hd, cos, sin,
+                                   H + KVH, hd, *cache).view(T, -1, hd)
         q, k, v = qkv[:, :H], qkv[:, H:H + KVH], qkv[:, H + KVH:]
         src = None if native else store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
         o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
-        out = torch.empty(T, residual.shape[1])
-        self.kernels.mlp(out, residual, o.view(T, -1), w_o, self.post_norm, self.eps, w_gate_up, w_down,
-                         self.gate_up.out_features // 2)
+        out = self.kernels.mlp(residual, o.view(T, -1), w_o, self.post_norm, self.eps, w_gate_up, w_down,
+                               self.gate_up.out_features // 2)
         return out, residual
 
 
@@ -241,8 +243,8 @@ def _native_write(store: KVStore | QuantizedKVStore) -> bool:
     return isinstance(store, KVStore) and store.k[0].dtype == torch.float32
 
 
-# Steps of at most this many tokens take the fused path (the int8 kernel's range). Above it the op-by-op path was as
-# fast or faster in float32 and int4 too (measured: 4 prompts of 500 tokens, 3.4 s against 3.9 s fused).
+# Steps of at most this many tokens take the fused path in layers with int8 weights (its kernel's range); layers of
+# other weights take it at every size (4 prompts of 500 tokens, float32: 3.3 s against 3.5-4.4 op by op). 0: never.
 FUSED_MAX_ROWS = 32
 
 

@@ -58,6 +58,12 @@ def tolerance(compute: torch.dtype) -> float:
     return {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[compute]
 
 
+def rel_tolerance(compute: torch.dtype) -> float:
+    """Half precision rounds the output and the softmax weights by its own ulp: an output near 2 in bfloat16 is a
+    step of 0.016 from its neighbours, so an absolute bound alone fails on large outputs (hypothesis found 0.0207)."""
+    return {torch.float32: 0.0, torch.bfloat16: 1e-2, torch.float16: 2e-3}[compute]
+
+
 def padded(tables: list[list[int]]) -> torch.Tensor:
     width = max(map(len, tables))
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
@@ -87,7 +93,8 @@ def test_decode_matches_the_float64_reference(shape, lens, splits):
                     num_splits=splits)
     for b, (n, (k, v)) in enumerate(zip(lens, kvs)):
         ref = reference(q[b:b + 1].cpu(), k, v, n - 1, scale, shape["window"])[0]
-        torch.testing.assert_close(out[b].float().cpu(), ref.float(), atol=tolerance(compute), rtol=0)
+        torch.testing.assert_close(out[b].float().cpu(), ref.float(), atol=tolerance(compute),
+                                   rtol=rel_tolerance(compute))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -107,7 +114,8 @@ def test_prefill_over_a_cached_prefix_matches_the_float64_reference(shape, cache
     scale = shape["head_dim"] ** -0.5
     ta.paged_prefill(out, q, store, 0, torch.tensor(table, device=DEVICE), rows, n, total, scale, shape["window"])
     ref = reference(q[rows:rows + n].cpu(), k, v, cached, scale, shape["window"])
-    torch.testing.assert_close(out[rows:rows + n].float().cpu(), ref.float(), atol=tolerance(compute), rtol=0)
+    torch.testing.assert_close(out[rows:rows + n].float().cpu(), ref.float(), atol=tolerance(compute),
+                               rtol=rel_tolerance(compute))
     assert not out[:rows].any() and not out[rows + n:].any()  # no other row written
 
 
