@@ -212,8 +212,8 @@ class Offloader:
         if not self._writer.is_alive():
             return
         self.flush()
-        self._finalizer()  # stops the writer, once
-        self._writer.join(timeout)
+        if self._finalizer.detach() is not None:  # once: the finalizer then never runs
+            _stop_writer(self._queue, self._writer, timeout)
 
     # ---- load (engine thread) -----------------------------------------------------------------------------------
 
