@@ -29,8 +29,8 @@ def _best_rate(op, work: float, seconds: float, device: torch.device) -> float:
 def measure_gemm_gflops(m: int | None = None, k: int | None = None, n: int | None = None, seconds: float = 1.0,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> float:
     """Best matmul rate (GFLOP/s) in `dtype` on `device` over `seconds` of repeated [m,k] x [k,n] products (default
-    512 x 1536 x 1536 on a CPU, 8192 cubed on a GPU, where smaller products are bound by their launch); in float32
-    on a CPU, the better of torch.matmul and oneDNN's linear on a packed weight."""
+    512 x 1536 x 1536 on a CPU, 8192 cubed on a GPU, where smaller products are bound by their launch); where the
+    engine can pack float32 weights for oneDNN (llama.packable), the better of torch.matmul and that linear."""
     device = torch.device(device)
     default = 8192 if device.type == "cuda" else None
     m, k, n = m or default or 512, k or default or 1536, n or default or 1536
@@ -38,12 +38,12 @@ def measure_gemm_gflops(m: int | None = None, k: int | None = None, n: int | Non
     b = torch.randn(k, n, dtype=dtype, device=device)
     out = torch.empty(m, n, dtype=dtype, device=device)
     best = _best_rate(lambda: torch.matmul(a, b, out=out), 2 * m * k * n, seconds, device)
-    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    from kvcache.models.llama import pack_weight, packable, packed_linear
+    if packable(dtype, device):
         # the engine's own float32 CPU GEMM (Dense.pack): oneDNN on a packed weight, faster than matmul here, so
         # the bound is the better of the two
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous())
-        best = max(best, _best_rate(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""),
-                                    2 * m * k * n, seconds, device))
+        packed = pack_weight(b.t().contiguous())
+        best = max(best, _best_rate(lambda: packed_linear(a, packed), 2 * m * k * n, seconds, device))
     return best / 1e9
 
 

@@ -85,6 +85,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def packable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether weights of `dtype` on `device` can be packed for oneDNN (Dense.pack): float32 on a CPU with oneDNN."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """A contiguous [out, in] float32 weight in oneDNN's blocked layout (mkldnn::_reorder_linear_weight)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b through oneDNN's linear on a weight from pack_weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Dense(nn.Module):
     """y = x W + b with W stored [in, out]: on CPU (MKL) this layout runs the skinny GEMMs of
     decode steps faster than nn.Linear's [out, in] (measured: LM head 69 -> 94 GFLOP/s at 64 rows).
@@ -103,15 +118,15 @@ class Dense(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return packed_linear(x, self.packed, self.bias)
         return torch.matmul(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
     def pack(self, keep_dense: bool = False) -> bool:
         """Repack W for oneDNN (float32 CPU weights only; where oneDNN is missing or KVCACHE_PACKED_WEIGHTS=0, keep
         it as it is); the dense W is dropped unless `keep_dense`. Whether it packed."""
         w = self.weight
-        if (self.packed is not None or w is None or w.device.type != "cpu" or w.dtype != torch.float32
-                or not torch.backends.mkldnn.is_available() or os.environ.get("KVCACHE_PACKED_WEIGHTS", "1") == "0"):
+        if (self.packed is not None or w is None or not packable(w.dtype, w.device)
+                or os.environ.get("KVCACHE_PACKED_WEIGHTS", "1") == "0"):
             return False
         # oneDNN copies a transposed view to a contiguous one first: made here, so that W can go before the reorder
         # and loading peaks at the weights plus one matrix (tests/models/test_loading.py)
@@ -119,7 +134,7 @@ class Dense(nn.Module):
         del w
         if not keep_dense:
             self.weight = None
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w_t)
+        self.packed = pack_weight(w_t)
         return True
 
     @property
@@ -159,6 +174,7 @@ class DecoderLayer(nn.Module):
         self.scale = hd ** -0.5
         self.kernels = None  # the C++ CPU kernels (cpu_kernels.py) when computing in float32 on the CPU
         self.fused: list[list[torch.Tensor]] | None = None  # the linears' tensors for the fused path
+        self.fused_any_rows = False  # whether the fused path takes steps above FUSED_MAX_ROWS (fuse)
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
