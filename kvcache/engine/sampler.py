@@ -58,7 +58,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {list(logits.shape)}")
     work = logits.float().contiguous()  # no-ops for the fp32 logits the runner produces
-    finite = torch.isfinite(work).all(-1)
+    argmax, finite = _argmax_finite(work)
 
     logprob_rows, greedy_rows, random_rows = [], [], []
     processed = False
@@ -69,7 +69,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
         processed = processed or _penalized(p) or len(row.output_token_ids) < p.min_tokens
         (greedy_rows if p.greedy else random_rows).append(i)
     if not (logprob_rows or processed or random_rows):
-        return _finish(work.argmax(-1), finite, [None] * len(rows), work.shape[1])
+        return _finish(work.argmax(-1) if argmax is None else argmax, finite, [None] * len(rows), work.shape[1])
     # The stages below work in place: the caller's logits stay as they were.
     logits = work.clone() if work is logits and (processed or random_rows) else work
 
@@ -85,7 +85,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
 
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if greedy_rows:
-        _put(tokens, greedy_rows, _take(logits, greedy_rows).argmax(-1))
+        # the first pass's ids stand while nothing has changed the logits (only rows that fail were zeroed since)
+        ids = _take(logits, greedy_rows).argmax(-1) if argmax is None or processed else _take(argmax, greedy_rows)
+        _put(tokens, greedy_rows, ids)
     if random_rows:
         _put(tokens, random_rows, _sample_random(_take(logits, random_rows), [rows[i] for i in random_rows]))
 
@@ -95,6 +97,19 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
         for i, d in zip(logprob_rows, _logprob_dicts(raw_logprobs, _take(tokens, logprob_rows), counts)):
             logprobs[i] = d
     return _finish(tokens, finite, logprobs, logits.shape[1])
+
+
+def _argmax_finite(work: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(each row's argmax, where it came for free; whether each row is all finite). On the CPU the C++ kernel
+    finds both in one pass over the logits (torch's isfinite().all() and argmax cost ~7 and ~3 ms on 64 rows of a
+    49,152-token vocabulary here, the kernel ~0.5 ms for both); elsewhere torch's ops."""
+    if work.device.type == "cpu" and work.numel():
+        from kvcache.models import cpu_kernels
+        kernels = cpu_kernels.load()
+        if kernels is not None:
+            ids, finite = kernels.argmax_finite(work)
+            return ids, finite
+    return None, torch.isfinite(work).all(-1)
 
 
 def _finish(tokens: torch.Tensor, finite: torch.Tensor, logprobs: list[dict[int, float] | None],

@@ -7,6 +7,7 @@
 - `add_rms_norm`: the residual sum and RMSNorm of a layer's input in one pass over each row (float32).
 - `rope_`: rotate-half RoPE of a step's query and key heads in place, in the q/k/v product's own buffer (float32).
 
+- `argmax_finite`: the sampler's greedy ids and each row's finiteness in one pass over the logits.
 - `attn_in` and `mlp`: a decoder layer's work around attention in two calls (RMSNorm, the q/k/v
   product and RoPE; the output projection, RMSNorm, gate/up, SiLU x up and down), for float32, int8 and int4 layers.
 
@@ -321,6 +322,56 @@ torch::Tensor mlp(torch::Tensor residual, torch::Tensor attn, std::vector<torch:
   act.mul_(gu.narrow(1, I, I));
   return linear(w_down, act, D);
 }
+
+// ---- the sampler's greedy rows (engine/sampler.py) ----
+// Per row of x [R, V] (float32, contiguous): the index of its first maximum, as torch.argmax gives it, and whether
+// every value is finite (x * 0 is 0 for a finite x, NaN for an infinity or a NaN), in one pass over the logits.
+std::vector<torch::Tensor> argmax_finite(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) < (1LL << 31),
+              "argmax_finite: x must be a contiguous float32 [rows, vocab < 2^31]");
+  const int64_t R = x.size(0), V = x.size(1);
+  auto ids = torch::empty({R}, x.options().dtype(at::kLong));
+  auto finite = torch::empty({R}, x.options().dtype(at::kBool));
+  const float* xp = x.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  bool* fp = finite.data_ptr<bool>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * V;
+      __m512 best = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), nonfinite = _mm512_setzero_ps();
+      __m512i best_i = _mm512_set1_epi32(0), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i step = _mm512_set1_epi32(16);
+      int64_t v = 0;
+      for (; v + 16 <= V; v += 16) {
+        const __m512 a = _mm512_loadu_ps(row + v);
+        nonfinite = _mm512_add_ps(nonfinite, _mm512_mul_ps(a, zero));
+        const __mmask16 gt = _mm512_cmp_ps_mask(a, best, _CMP_GT_OQ);  // strictly greater: each lane keeps its first
+        best = _mm512_mask_blend_ps(gt, best, a);
+        best_i = _mm512_mask_blend_epi32(gt, best_i, idx);
+        idx = _mm512_add_epi32(idx, step);
+      }
+      float bv[16], nf[16];
+      int32_t bi[16];
+      _mm512_storeu_ps(bv, best);
+      _mm512_storeu_ps(nf, nonfinite);
+      _mm512_storeu_epi32(bi, best_i);
+      float m = -INFINITY;
+      int64_t at = -1;
+      bool ok = true;
+      for (int l = 0; l < 16; ++l) {
+        ok = ok && nf[l] == 0.f;
+        if (v > 0 && (bv[l] > m || (bv[l] == m && bi[l] < at) || at < 0)) { m = bv[l]; at = bi[l]; }
+      }
+      for (int64_t j = v; j < V; ++j) {
+        ok = ok && std::isfinite(row[j]);
+        if (at < 0 || row[j] > m) { m = row[j]; at = j; }
+      }
+      ip[r] = at < 0 ? 0 : at;  // a row of -inf only (not finite: an error) still gets an id in range
+      fp[r] = ok;
+    }
+  });
+  return {ids, finite};
+}
 """
 
 _module = None
@@ -343,5 +394,6 @@ def load():
         return _module
     _tried = True
     _module = native.build("kvcache_cpu_model", _SOURCE, ["int8_linear", "int4_linear", "has_int4", "add_rms_norm",
-                           "rope_", "attn_in", "mlp"], [], "using PyTorch's ops")
+                           "rope_", "attn_in", "mlp", "argmax_finite"], [],
+                           "using PyTorch's ops")
     return _module

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from kvcache.engine import sampler
 from kvcache.engine.sampler import SamplingRow, apply_penalties, sample, truncate
 from kvcache.engine.sampling_params import SamplingParams
+from kvcache.models import cpu_kernels
 
 
 def row(prompt=(), output=(), seed=None, **kw) -> SamplingRow:
@@ -442,9 +443,11 @@ class _Tracked(torch.Tensor):
     dict(temperature=1.0, min_p=0.2), dict(temperature=0.7, top_k=40, top_p=0.9),
     dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, min_tokens=3),
     dict(temperature=0.9, frequency_penalty=-0.5, seed=2)], ids=str)
-def test_a_batch_is_read_from_the_device_once(kw):
+def test_a_batch_is_read_from_the_device_once(kw, monkeypatch):
     """Sampled ids and the finiteness of every row come back in one transfer (issue 14: one host sync per step),
-    a NaN row included; only logprobs, and top-p without top-k widening past its first candidates, read more."""
+    a NaN row included; only logprobs, and top-p without top-k widening past its first candidates, read more. The
+    path counted is a GPU's (torch's ops): the CPU's C++ pass returns plain tensors, and a CPU has no sync to save."""
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     logits = torch.randn(4, 3000)
     logits[2, 17] = float("nan")
     rows = lambda: [row(prompt=[1, 2, 3], output=[4, 4, 9], **kw) for _ in range(4)]  # noqa: E731 (fresh generators)
@@ -455,3 +458,31 @@ def test_a_batch_is_read_from_the_device_once(kw):
     plain = sample(logits, rows(), eos_token_id=2)
     if "seed" in kw or kw["temperature"] == 0:  # reproducible rows: the counted run drew the same tokens
         assert result.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 9), vocab=st.integers(1, 300), levels=st.integers(0, 4), data=st.data())
+def test_greedy_ids_are_torch_argmax_and_non_finite_rows_are_named(kernel, n, vocab, levels, data):
+    """The greedy rows' one pass over the logits (the CPU kernel: argmax and finiteness together) picks torch's
+    argmax, the first maximum among ties (few distinct values make many), in a mixed batch too, and names every row
+    holding a NaN or an infinity, wherever it sits (in the vector part or the tail of a row)."""
+    logits = torch.randint(0, levels + 1, (n, vocab)).float() if levels else torch.randn(n, vocab)
+    bad = data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, vocab - 1),
+                                       st.sampled_from([float("nan"), float("inf"), float("-inf")])), max_size=3))
+    for r, c, value in bad:
+        logits[r, c] = value
+    finite = torch.isfinite(logits).all(-1).tolist()
+    expected = logits.argmax(-1).tolist()
+    load = cpu_kernels.load
+    for mixed in (False, True):
+        rows = [row(temperature=0.8 if mixed and i % 2 else 0.0, seed=i) for i in range(n)]
+        cpu_kernels.load = load if kernel else (lambda: None)
+        try:
+            result = sample(logits, rows)
+        finally:
+            cpu_kernels.load = load
+        assert sorted(result.errors) == [i for i in range(n) if not finite[i]]
+        for i in range(n):
+            if finite[i] and rows[i].params.greedy:
+                assert result.token_ids[i] == expected[i]
