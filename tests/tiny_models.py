@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
+                          Qwen3Config)
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -21,6 +22,18 @@ TINY_ARCHS = {
     "mistral-swa": (MistralConfig, {"sliding_window": 24}),
     "qwen2": (Qwen2Config, {}),
     "qwen3": (Qwen3Config, {"head_dim": 32}),
+    # layer 0 full attention, layer 1 a window of 24 (max_window_layers: the first layers stay full)
+    "qwen2-swa": (Qwen2Config, {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),
+    # local (window 24) then global layers, attention scores soft-capped low enough to matter, (1 + w) norms
+    "gemma2": (Gemma2Config, {"head_dim": 32, "query_pre_attn_scalar": 1, "sliding_window": 24,
+                              "attn_logit_softcapping": 1.0, "final_logit_softcapping": 8.0}),
+    # a local layer (window 24, its own RoPE base) then a global one; q/k norms, (1 + w) norms, GELU, scaled and
+    # tied embeddings, a query scale that is not head_dim's, soft-capped logits
+    "gemma3": (Gemma3TextConfig, {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 24,
+                                  "layer_types": ["sliding_attention", "full_attention"],
+                                  "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                      "full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                                  "final_logit_softcapping": 8.0}),
 }
 
 
@@ -48,10 +61,12 @@ def make_tiny_model(directory: str, arch: str, seed: int = 0) -> str:
     cfg = cls(**{**COMMON, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # transformers initialises norms to 1 and biases to 0: make them count in the tests
+    # Gemma's norms scale by 1 + w: their stored weights sit around 0, not 1
+    unit = 0.0 if cfg.model_type.startswith("gemma") else 1.0
+    with torch.no_grad():  # transformers initialises norms to 1 (Gemma's to 0) and biases to 0: make them count
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+                p.copy_(unit + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(directory)

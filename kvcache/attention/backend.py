@@ -45,11 +45,17 @@ def _why_not_cpu(device: torch.device, dtype: torch.dtype, kv: KVDtype) -> str |
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str,
-                    block_size: int) -> tuple[str, str]:
-    """(backend, why) for `name` on this device, compute dtype, KV format and block size; ValueError naming what to
-    use instead if a backend asked for by name cannot run here."""
+                    block_size: int, softcap: bool = False) -> tuple[str, str]:
+    """(backend, why) for `name` on this device, compute dtype, KV format and block size, and whether the model
+    soft-caps its attention scores (Gemma-2: the portable path only); ValueError naming what to use instead if a
+    backend asked for by name cannot run here."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    if softcap:
+        if name not in ("auto", "torch"):
+            raise ValueError(f"attention_backend {name} cannot run this model: its attention scores are soft-capped "
+                             "(attn_logit_softcapping), which only --attention-backend torch computes")
+        return "torch", "the model soft-caps its attention scores, which the portable path computes"
     kv = kv_dtype(kv_cache_dtype)
     checks = {"triton": lambda: _why_not_triton(device, kv, block_size),
               "cpu": lambda: _why_not_cpu(device, dtype, kv), "torch": lambda: None}

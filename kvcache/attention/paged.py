@@ -44,19 +44,22 @@ def _gather(store, layer: int, block_ids: torch.Tensor, ws: Workspace, like: tor
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, layer: int, batch: ForwardBatch,
-                    scale: float, window: int | None, ws: Workspace, key_src: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, window: int | None, ws: Workspace, key_src: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attention output [T, H, D] for queries q [T, H, D] over layer `layer` of `store`.
 
     k, v [T, KVH, D] are this step's new keys/values, already written to the store (a KVStore or a
     QuantizedKVStore); GQA/MQA share each KV head across H / KVH query heads. Blocks are read
     dequantized; under KIVI, keys of each query's own group come in full precision from `key_src`, what
-    the store's `write` returned.
+    the store's `write` returned. With `softcap` (Gemma-2) the scores are soft-capped, c * tanh(s / c), before
+    the mask and the softmax: the portable path only (the kernels raise).
     """
     T, H, D = q.shape
     kvh = k.shape[1]
-    gqa = H != kvh
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides (kernels write it)
     src = key_src
+    if softcap is not None and (batch.decode_kernel or batch.backend == "triton"):
+        raise ValueError("attention soft-capping runs on the portable path only (attention_backend torch)")
     for g in batch.decode_groups:
         table, lens = g.view(layer)
         # every row a decode (in batch order: a kernel's group is not sorted): the kernel writes `out` directly
@@ -89,8 +92,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
             b, pos, rows = g.overlay
             kg[b, pos] = src.index_select(0, rows)
         qg = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask,
-                                           scale=scale, enable_gqa=gqa)
+        o = _attend(qg, kg.transpose(1, 2), vg.transpose(1, 2), mask, scale, softcap)
         out.index_copy_(0, g.rows, o.squeeze(2))
     for p in batch.prefills:
         if batch.backend == "triton" and p.block_ids is not None:
@@ -110,10 +112,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         mask = p.masks[window]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                           enable_gqa=gqa)
+        o = _attend(qs, ks, vs, mask, scale, softcap)
         out[p.start:p.start + p.length] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """Attention of q [B, H, n, D] over k, v [B, KVH, L, D] (GQA when KVH < H); mask bool [.., n, L] (True:
+    attend), None for causal (the last n of the L positions are the queries'). SDPA, or with `softcap` the scores
+    computed out, in transformers' eager order: scaled, capped, masked, softmax in float32, cast back."""
+    H, kvh = q.shape[1], k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=H != kvh)
+    if H != kvh:
+        k, v = k.repeat_interleave(H // kvh, dim=1), v.repeat_interleave(H // kvh, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    n, L = q.shape[2], k.shape[2]
+    if mask is None:
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril_(L - n)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, -1, dtype=torch.float32).to(q.dtype), v)
 
 
 def triton_attention():

@@ -139,7 +139,7 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
     device cannot hold one request of max_model_len tokens (a given one is the user's choice: such requests are
     refused one by one)."""
     per_token = kv_bytes_per_token(shape, kv_dtype)
-    compute_bytes = next(model.parameters()).element_size()
+    compute_bytes = model.compute_dtype.itemsize
 
     def portable(budget: int) -> int:
         return 0 if backend != "torch" else portable_attention_bytes(config, shape, max_model_len, compute_bytes,
@@ -160,7 +160,7 @@ def profile_forward(model: LlamaModel, config: EngineConfig, device: torch.devic
     of max_model_len tokens at most) whose last max_num_seqs rows go through the LM head and the sampler (a top-p
     draw, its widest path). Elsewhere the step runs the same way but no allocator keeps a peak: None."""
     cfg = model.config
-    dtype = next(model.parameters()).dtype
+    dtype = model.compute_dtype
     block = config.block_size
     cuda = device.type == "cuda"
     # Two blocks: the null block and one that every token's slot wraps into (their K/V are never read back).

@@ -27,12 +27,22 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 QUANTIZATIONS = tuple(WEIGHT_QUANTIZATIONS)
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def layer_windows(cfg: PretrainedConfig) -> list[int | None]:
-    """Sliding window (tokens) of each layer, None for full attention."""
+    """Sliding window (tokens) of each layer, None for full attention. ValueError, naming the field, for
+    layer_types that do not give every layer a known kind, or a sliding layer without a positive window."""
     n = cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
     if types:
+        if len(types) != n or not set(types) <= set(LAYER_TYPES):
+            raise ValueError(f"{cfg.model_type} layer_types must give each of the {n} layers one of "
+                             f"{', '.join(LAYER_TYPES)}; got {len(types)} entries: {sorted(set(types))}")
+        if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+            raise ValueError(f"{cfg.model_type} has sliding_attention layers but sliding_window is {window!r}: it "
+                             "must be a positive number of tokens")
         return [window if t == "sliding_attention" else None for t in types]
     if cfg.model_type == "mistral":
         return [window] * n
@@ -54,15 +64,21 @@ def head_dim_of(cfg: PretrainedConfig) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def _rope_tables(cfg: PretrainedConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(cfg: PretrainedConfig, max_positions: int, layer_type: str | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_positions, head_dim] in float32; `layer_type` picks its own parameters where a config keeps
+    them per kind of layer (Gemma-3: rope_parameters["sliding_attention"] and ["full_attention"])."""
     params = getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     dim = head_dim_of(cfg)
     if rope_type == "default":
         inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scaling = 1.0
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+        kw = {"layer_type": layer_type} if layer_type is not None else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu", **kw)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq.float())
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
@@ -152,13 +168,19 @@ class Dense(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # parameter -> its Hugging Face name under model.layers.{i}.
+    NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+    O_BIAS_ARCHS = ("llama", "qwen3")  # whose o_proj has a bias when attention_bias is set
+    FUSABLE = True  # whether the fused C++ layer calls (Llama's arithmetic) compute this layer
+
     def __init__(self, cfg: PretrainedConfig, index: int, window: int | None, linear: type = Dense) -> None:
         super().__init__()
         self.index, self.window = index, window
+        self.rope_key: str | None = None  # which of the model's RoPE tables this layer rotates with
         d, hd = cfg.hidden_size, head_dim_of(cfg)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
-        o_bias = cfg.model_type in ("llama", "qwen3") and bool(getattr(cfg, "attention_bias", False))
+        o_bias = cfg.model_type in self.O_BIAS_ARCHS and bool(getattr(cfg, "attention_bias", False))
         mlp_bias = bool(getattr(cfg, "mlp_bias", False))
         self.qkv = linear(d, (self.num_heads + 2 * self.num_kv_heads) * hd, qkv_bias)
         self.o_proj = linear(self.num_heads * hd, d, o_bias)
@@ -202,7 +224,7 @@ class DecoderLayer(nn.Module):
         """Hand the C++ kernels this layer's weights (float32 on the CPU; int4 needs VNNI)."""
         self.kernels = kernels
         linears = (self.qkv, self.o_proj, self.gate_up, self.down)
-        usable = kernels is not None and not self.qk_norm and all(
+        usable = kernels is not None and self.FUSABLE and not self.qk_norm and all(
             not isinstance(m, Int4Dense) or cpu_kernels.has_int4() for m in linears)
         self.fused = [_kernel_tensors(m) for m in linears] if usable else None
         # int8's kernel is for decode-sized steps (its layer dequantizes above them); the float32 (oneDNN, MKL) and
@@ -278,10 +300,13 @@ def _kernel_tensors(m: nn.Module) -> list[torch.Tensor]:
 class LlamaModel(nn.Module):
     """Decoder stack + LM head; `forward` returns logits only for `batch.logits_indices`."""
 
+    layer_class = DecoderLayer
+    ARCHITECTURES = SUPPORTED_ARCHITECTURES
+
     def __init__(self, cfg: PretrainedConfig, max_positions: int, quantization: str = "none") -> None:
         super().__init__()
-        if cfg.model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {cfg.model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if cfg.model_type not in self.ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {cfg.model_type!r}; supported: {', '.join(self.ARCHITECTURES)}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
         self.config = cfg
@@ -294,28 +319,35 @@ class LlamaModel(nn.Module):
         self.embed = None if self.tied else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         windows = layer_windows(cfg)
         self.windows = tuple(sorted(set(windows), key=lambda w: (w is not None, w or 0)))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, w, linear) for i, w in enumerate(windows))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, w, linear) for i, w in enumerate(windows))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         # The head (and a tied embedding) stays at 8 bits under int4, as llama.cpp's GGUFs keep it (the demo's is Q8_0):
         # int8 per output channel, whose kernel streams this large matrix faster here than a Q8_0 one did (1.5 ms
         # against 1.9-2.3 ms on the demo's 49,152 x 576 head, one thread).
         self.lm_head = (Int8Dense if quantization == "int4" else linear)(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
-        self.cos = self.sin = torch.empty(0)
+        self.rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # a layer's rope_key -> (cos, sin)
+        self.final_softcap: float | None = None  # logits = c * tanh(logits / c) where set (Gemma)
         self.workspace = Workspace()
 
     def init_rope(self, device: str | torch.device = "cpu") -> None:
         """Build the RoPE cos/sin tables for positions [0, max_positions) (kept in fp32), and pick the fused CPU
         kernels where they apply (float32 on the CPU)."""
-        cos, sin = _rope_tables(self.config, self.max_positions)
-        self.cos, self.sin = cos.to(device), sin.to(device)
-        fused = torch.device(device).type == "cpu" and self.norm.dtype == torch.float32
+        for key in {layer.rope_key for layer in self.layers}:
+            cos, sin = _rope_tables(self.config, self.max_positions, key)
+            self.rope[key] = cos.to(device), sin.to(device)
+        fused = torch.device(device).type == "cpu" and self.compute_dtype == torch.float32
         kernels = cpu_kernels.load() if fused else None
         for m in self.modules():
             if isinstance(m, Dense):
                 m.pack(keep_dense=m is self.lm_head and self.tied)
         for layer in self.layers:
             layer.fuse(kernels)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype: the norms' (the final norm follows Module.to(dtype))."""
+        return self.norm.dtype
 
     @property
     def weight_bytes(self) -> int:
@@ -325,7 +357,7 @@ class LlamaModel(nn.Module):
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
-            return self.lm_head.rows(ids).to(self.norm.dtype).contiguous()
+            return self.lm_head.rows(ids).to(self.compute_dtype).contiguous()
         return self.embed(ids)
 
     def keep_scale_dtypes(self) -> LlamaModel:
@@ -341,14 +373,20 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, store: KVStore | QuantizedKVStore) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        cos = self.cos.index_select(0, batch.positions).unsqueeze(1).to(x.dtype)
-        sin = self.sin.index_select(0, batch.positions).unsqueeze(1).to(x.dtype)
+        rope = {key: tuple(t.index_select(0, batch.positions).unsqueeze(1).to(x.dtype) for t in tables)
+                for key, tables in self.rope.items()}
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, batch, store, self.workspace)
+            x, residual = layer(x, residual, *rope[layer.rope_key], batch, store, self.workspace)
         # Only rows that sample need the norm and the (large) LM head.
         h = (x + residual).index_select(0, batch.logits_indices)
-        return self.lm_head(rms_norm(h, self.norm, self.config.rms_norm_eps))
+        logits = self.lm_head(self.final_norm(h))
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     def load_weights(self, source: WeightSource) -> None:
         """Copy the checkpoint's Hugging Face-named tensors into the parameters (allocated, in their dtype and on
@@ -418,8 +456,8 @@ class LlamaModel(nn.Module):
                 put_linear(layer.down, m + "down_proj.weight")
                 if mlp_bias:
                     put(layer.down.bias, m + "down_proj.bias")
-                put(layer.input_norm, f"model.layers.{i}.input_layernorm.weight")
-                put(layer.post_norm, f"model.layers.{i}.post_attention_layernorm.weight")
+                for param, name in layer.NORMS.items():
+                    put(getattr(layer, param), f"model.layers.{i}.{name}.weight")
                 if layer.qk_norm:
                     put(layer.q_norm, a + "q_norm.weight")
                     put(layer.k_norm, a + "k_norm.weight")

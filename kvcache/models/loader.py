@@ -8,11 +8,20 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from kvcache.models.llama import SUPPORTED_ARCHITECTURES, LlamaModel
+from kvcache.models.gemma import Gemma2Model, Gemma3Model
+from kvcache.models.gemma import check_config as check_gemma_config
+from kvcache.models.llama import LlamaModel, layer_windows
 from kvcache.models.weights import GGUFSource, SafetensorsSource, WeightSource
 from kvcache.plan.model_source import demo_model_path
 
 __all__ = ["LoadedModel", "ModelLoadError", "build_model", "demo_model_path", "read_checkpoint", "read_config"]
+
+
+# model_type -> the decoder that runs it
+MODEL_CLASSES: dict[str, type[LlamaModel]] = {**{a: LlamaModel for a in LlamaModel.ARCHITECTURES},
+                                              **{a: Gemma2Model for a in Gemma2Model.ARCHITECTURES},
+                                              **{a: Gemma3Model for a in Gemma3Model.ARCHITECTURES}}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
 
 class ModelLoadError(ValueError):
@@ -91,9 +100,17 @@ def read_checkpoint(path: str | None) -> LoadedModel:
 
 
 def _check_arch(config: PretrainedConfig, path: str) -> None:
+    """The architecture is one of ours, and its layer kinds and Gemma's fields are consistent (before any tensor
+    is read)."""
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{path}: architecture {config.model_type!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    try:
+        layer_windows(config)
+        if MODEL_CLASSES[config.model_type] in (Gemma2Model, Gemma3Model):
+            check_gemma_config(config)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
 
 
 def build_model(loaded: LoadedModel, max_positions: int, device: str | torch.device = "cpu",
@@ -102,7 +119,7 @@ def build_model(loaded: LoadedModel, max_positions: int, device: str | torch.dev
     copied in from the checkpoint chunk by chunk: the memory it takes on the way is its own size plus one chunk
     (weights.CHUNK_BYTES)."""
     with torch.device("meta"):  # no random init: every weight is overwritten
-        model = LlamaModel(loaded.config, max_positions, quantization)
+        model = MODEL_CLASSES[loaded.config.model_type](loaded.config, max_positions, quantization)
     model = model.to(dtype).keep_scale_dtypes().to_empty(device=device).requires_grad_(False)  # no autograd
     model.load_weights(loaded.weights)
     model.init_rope(device)

@@ -13,7 +13,7 @@ from tiny_models import hf_greedy, hf_model
 from kvcache import LLM, SamplingParams
 from kvcache.memory.kv_cache_manager import blocks_for
 
-ARCHS = ["llama", "mistral-swa", "qwen3"]  # mistral-swa: sliding window of 24 tokens
+ARCHS = ["llama", "mistral-swa", "qwen3", "gemma2", "gemma3"]  # mistral-swa: window of 24; gemmas: local + global
 BLOCK_SIZE = 16
 SMALL_BLOCK = 8  # finer blocks let a small pool admit more, so growth must preempt
 NUM_REQUESTS = 16

@@ -53,7 +53,8 @@ def kv_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits of every position, the ids fed `chunk` at a time through a paged cache in the model's dtype."""
     cfg = model.config
     p = next(model.parameters())
-    store = KVStore(cfg.num_hidden_layers, 64, BLOCK, cfg.num_key_value_heads, head_dim_of(cfg), p.dtype, p.device)
+    store = KVStore(cfg.num_hidden_layers, 64, BLOCK, cfg.num_key_value_heads, head_dim_of(cfg), model.compute_dtype,
+                    p.device)
     table = list(range(1, 1 + -(-len(ids) // BLOCK)))[::-1]  # scattered blocks
     out = []
     for s in range(0, len(ids), chunk):

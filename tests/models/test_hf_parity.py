@@ -384,5 +384,29 @@ def test_unknown_model_type(tmp_path):
     assert str(d) in str(e.value)
 
 
+@pytest.mark.parametrize("arch, change, field", [
+    ("gemma3", {"layer_types": ["sliding_attention"]}, "layer_types"),  # 1 entry for 2 layers
+    ("gemma3", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ("gemma3", {"sliding_window": 0}, "sliding_window"),
+    ("qwen2-swa", {"sliding_window": -4}, "sliding_window"),
+    ("gemma2", {"attn_logit_softcapping": 0.0}, "attn_logit_softcapping"),
+    ("gemma2", {"final_logit_softcapping": -30.0}, "final_logit_softcapping"),
+    ("gemma3", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar"),
+    ("gemma3", {"hidden_activation": "relu"}, "hidden_activation"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_inconsistent_layer_kinds_and_gemma_fields_are_refused_before_loading(tiny_model_dirs, tmp_path, arch,
+                                                                               change, field):
+    """Read from config.json as transformers parses it (which checks none of these), refused naming the field."""
+    import shutil
+    d = tmp_path / arch
+    shutil.copytree(tiny_model_dirs[arch], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **change}))
+    for fn in (read_config, read_checkpoint):
+        with pytest.raises(ModelLoadError, match=field):
+            fn(str(d))
+
+
 def test_model_load_error_is_value_error():
     assert issubclass(ModelLoadError, ValueError)
