@@ -88,6 +88,10 @@ def read_checkpoint(path: str | None) -> LoadedModel:
     path = _resolve(path)
     config = read_config(path)
     if os.path.isfile(path):
+        if config.model_type not in LlamaModel.ARCHITECTURES:
+            raise ModelLoadError(f"{path}: GGUF checkpoints of {config.model_type} are not supported (kvcache reads "
+                                 f"GGUF tensors of {', '.join(LlamaModel.ARCHITECTURES)}); load its safetensors "
+                                 "directory instead")
         directory, name = os.path.split(os.path.abspath(path))
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)

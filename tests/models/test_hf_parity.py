@@ -325,6 +325,20 @@ def test_missing_path(tmp_path):
         assert p in str(e.value) and "does not exist" in str(e.value)
 
 
+def test_a_gemma_gguf_is_refused_before_its_tensors_are_read(tiny_model_dirs, tmp_path, monkeypatch):
+    """Gemma's GGUF tensors (names, norms stored as 1 + w) are not mapped: refused by name, not loaded wrongly."""
+    import gguf
+    from transformers import AutoConfig
+    from kvcache.models import loader
+    path = str(tmp_path / "m.gguf")
+    _write_llama_gguf(path, tiny_model_dirs["llama"], gguf.GGMLQuantizationType.F32)
+    gemma = AutoConfig.from_pretrained(tiny_model_dirs["gemma3"])
+    monkeypatch.setattr(loader, "read_config", lambda p: gemma)
+    monkeypatch.setattr(loader, "GGUFSource", lambda *a: pytest.fail("the tensors were opened"))
+    with pytest.raises(ModelLoadError, match="GGUF checkpoints of gemma3_text are not supported"):
+        loader.read_checkpoint(path)
+
+
 def test_text_file_is_not_gguf(tmp_path):
     p = tmp_path / "model.txt"
     p.write_text("this is not a model\n")
