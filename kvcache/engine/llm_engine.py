@@ -89,7 +89,9 @@ class LLMEngine:
         if self.kv_dtype == "auto":
             self.kv_dtype = str(self.dtype).removeprefix("torch.")
         check_kv_format(self.shape, self.kv_dtype, config.block_size)  # before anything is loaded
-        self._sliding = any(w is not None for w in layer_windows(hf))
+        windows = layer_windows(hf)
+        self._sliding = any(w is not None for w in windows)
+        self.release_window = release_window(windows, config)
         self._kivi_group = KV_DTYPES[self.kv_dtype].group if KV_DTYPES[self.kv_dtype].scales == "kivi" else 0
         if config.eviction.enabled:
             self._check_eviction(config.eviction)
@@ -116,6 +118,9 @@ class LLMEngine:
         self.offload = make_offloader(tiers, self.store, loaded.source, self.kv_events, compute=str(self.dtype), kv=self.kv_dtype,
                                       block_size=config.block_size, quantization=config.quantization)
         self.scheduler = Scheduler(config, self.kv, self.offload)
+        if self._sliding:
+            log.info("sliding window: %s", f"blocks older than {self.release_window:,} tokens are given back as "
+                     "sequences advance" if self.release_window else _why_no_release(windows, config))
         if self.backend == "triton" and hasattr(self.store, "raw"):
             from kvcache.attention.triton_attention import write_quantized
             self.store.fused_write = write_quantized
@@ -140,6 +145,15 @@ class LLMEngine:
                  c.total_bytes / 2**30, kv_formula(self.shape, self.kv_dtype),
                  f"; plus {c.seq_blocks} blocks per request for its fp16 key residual" if c.seq_blocks else "",
                  f"{c.max_model_len:,}", c.max_concurrency)
+
+    def peak_blocks(self, tokens: int) -> int:
+        """The most blocks a sequence of `tokens` tokens holds at once: all of them, or where out-of-window blocks
+        are given back and prefills are chunked, a window behind the largest chunk (window - 1 tokens before it,
+        one block more for the alignment), however long it grows."""
+        bs, every = self.config.block_size, blocks_for(tokens, self.config.block_size)
+        if not self.release_window or not self.config.enable_chunked_prefill:
+            return every
+        return min(every, blocks_for(self.release_window - 1 + self.config.max_num_batched_tokens, bs) + 1)
 
     def _check_eviction(self, spec: EvictionSpec) -> None:
         """ValueError if this engine cannot evict tokens under `spec`."""
@@ -187,7 +201,7 @@ class LLMEngine:
         state = None
         # Eviction or not, a request must fit whole: after a preemption it is recomputed from its tokens.
         peak = len(ids) + max_tokens
-        need = blocks_for(peak, self.config.block_size) + self.kv.seq_blocks
+        need = self.peak_blocks(peak) + self.kv.seq_blocks
         if spec.enabled:
             self._check_eviction(spec)
             if params.n > 1:
@@ -347,6 +361,11 @@ class LLMEngine:
             self._isolated(seq, "caching its prefix blocks", self._cache_blocks, seq, to_store)
         if to_store:
             self.offload.store(to_store)
+        if self.release_window:  # after cache_blocks: hash mode gives back registered blocks only
+            for seq, _ in chunks:
+                if seq.seq_id in self.kv.block_tables:
+                    self._isolated(seq, "giving back its out-of-window blocks", self.kv.release_leading, seq.seq_id,
+                                   seq.num_computed_tokens - self.release_window + 1)
         self.stats.steps += 1
         used = self.kv.pool.num_usable - self.kv.num_free_blocks  # before eviction: the step's true peak
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
@@ -642,3 +661,21 @@ class LLMEngine:
         if kv.block_tables or held != tree or kv.num_free_blocks != pool.num_usable:
             raise AssertionError(f"{held - tree} block references still held with no request running "
                                  f"({len(kv.block_tables)} block tables, {tree} blocks in the radix tree)")
+
+
+def release_window(windows: list[int | None], config: EngineConfig) -> int | None:
+    """The window whose out-of-window blocks the engine gives back, where it can: every layer slides with that one
+    window (one block table serves all layers, so one full-attention layer keeps every block) and the prefix cache
+    is not the radix tree's (which holds its blocks under the sequence's lock). None otherwise."""
+    if not windows or None in windows or len(set(windows)) != 1:
+        return None
+    if config.enable_prefix_caching and config.prefix_caching_algo == "radix":
+        return None
+    return windows[0]
+
+
+def _why_no_release(windows: list[int | None], config: EngineConfig) -> str:
+    if None in windows or len(set(windows)) != 1:
+        return ("every block is kept: its layers do not all slide with one window, and one block table serves "
+                "every layer")
+    return "every block is kept: the radix prefix cache holds its blocks (use --prefix-caching-algo hash to free them)"

@@ -7,6 +7,10 @@ shared and a shared block is never written: new tokens go to blocks the sequence
 (a fork copies a partly filled block first). The last prompt token is always recomputed, so
 there are logits to sample from.
 
+A sliding-window model (every layer the same window) gives back the blocks no future query can see
+(`release_leading`): their entries in the table become the null block, so every position keeps its place in
+the table and the table's length still counts the sequence's tokens; whatever walks a table skips null entries.
+
 A sequence may also hold `seq_blocks` private blocks besides its table: scratch memory drawn from
 the same pool (the fp16 key residual of the KIVI formats, see store/quantized_store.py). They are
 taken with its first blocks, never cached or shared, and freed with its table.
@@ -75,6 +79,7 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._seqs: dict[int, _SeqCache] = {}
         self._compacted: set[int] = set()  # sequences whose blocks no longer match their tokens (eviction)
+        self._released: dict[int, int] = {}  # seq_id -> leading table entries given back (release_leading)
         # Sequences whose table was rewritten other than by appending (a dedup swap, a compaction, a free) since the
         # last take_changed(): the device copy of their tables (device_tables.py) is written again in full.
         self._changed: set[int] = set()
@@ -222,8 +227,14 @@ class KVCacheManager:
                 if self.pool.keys[b] is not None:
                     continue  # taken from the cache (or shared by a fork): already the cached block
                 tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-                # Blocks before i are the cached ones by now, so the parent is our own table's.
-                parent = (table[i - 1], self.pool.generation[table[i - 1]]) if i else None
+                # Blocks before i are the cached ones by now, so the parent is our own table's, or, given back by
+                # release_leading, the block its hash still finds (none: the chain is broken, cache no more)
+                prev = table[i - 1] if i and table[i - 1] != BlockPool.NULL_BLOCK else (
+                    self.pool.lookup(hashes[i - 1]) if i else None)
+                if i and prev is None:
+                    full = i
+                    break
+                parent = (prev, self.pool.generation[prev]) if i else None
                 key = BlockKey(hashes[i], tokens, entry.extra, parent)
                 other = self.pool.lookup(hashes[i])
                 if other is None:
@@ -249,6 +260,34 @@ class KVCacheManager:
         self.pool.free([table[i]])
         table[i] = cached
 
+    def release_leading(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Give back the blocks of `seq_id` that hold nothing but its first `num_tokens` tokens (a sliding window
+        has left them behind: no future query sees them); their table entries become the null block. With hash
+        prefix caching only blocks already registered go (a block's key names its predecessor, so a successor
+        still to be registered needs it in place); freed cached blocks stay findable, as on `free`. The radix tree
+        holds its blocks under the sequence's lock, so there nothing would be freed: not supported with it.
+        Returns the blocks given back (in table order)."""
+        if self.radix:
+            raise ValueError("release_leading is not supported with radix prefix caching (the tree keeps its blocks)")
+        table = self.block_tables[seq_id]
+        end = min(num_tokens // self.block_size, len(table))
+        if self.prefix_caching is not None:
+            entry = self._seqs.get(seq_id)
+            end = min(end, entry.num_cached if entry is not None else 0)
+        start = self._released.get(seq_id, 0)
+        if end <= start:
+            return []
+        freed = [b for b in table[start:end] if b != BlockPool.NULL_BLOCK]
+        table[start:end] = [BlockPool.NULL_BLOCK] * (end - start)
+        self._released[seq_id] = end
+        self._changed.add(seq_id)
+        self.pool.free(freed)
+        return freed
+
+    def num_released(self, seq_id: int) -> int:
+        """Leading table entries of `seq_id` given back by release_leading (null now)."""
+        return self._released.get(seq_id, 0)
+
     def record_lookup(self, num_tokens: int, num_hits: int) -> None:
         """Count one request's prefix lookup in the hit rate (tokens looked up, tokens found cached)."""
         self.stats.queries += num_tokens
@@ -268,19 +307,21 @@ class KVCacheManager:
         if blocks_for(num_tokens, self.block_size) > len(parent):
             raise ValueError(f"cannot fork {num_tokens} tokens: sequence {parent_id} holds {len(parent)} blocks")
         n_full = num_tokens // self.block_size
-        shared = parent[:n_full]
+        shared = parent[:n_full]  # null entries (released) included: they stay null in the child
         partial = 1 if num_tokens % self.block_size else 0
         private = self.private_blocks.get(parent_id, [])
         if self.num_free_blocks < partial + len(private):
             raise OutOfBlocksError(f"{partial + len(private)} free blocks needed to fork a sequence, "
                                    f"{self.num_free_blocks} free")
-        self.pool.share(shared)
+        self.pool.share([b for b in shared if b != BlockPool.NULL_BLOCK])
         dst = self._take_free(partial + len(private))
         copies = list(zip(parent[n_full:n_full + partial] + private, dst))
         if private:
             self.private_blocks[child_id] = dst[partial:]
         self.block_tables[child_id] = list(shared) + dst[:partial]
         self._changed.add(child_id)
+        if self._released.get(parent_id, 0):
+            self._released[child_id] = min(self._released[parent_id], n_full)
         if parent_id in self._seqs:
             p = self._seqs[parent_id]
             # Hashes and cached blocks only up to the fork point: after it the child's tokens are its own.
@@ -348,6 +389,8 @@ class KVCacheManager:
         held = self.block_tables.get(seq_id, []) + self.private_blocks.get(seq_id, [])
         counts: dict[int, int] = {}
         for b in held:
+            if b == BlockPool.NULL_BLOCK:
+                continue
             counts[b] = counts.get(b, 0) + 1
         alone = [b for b, n in counts.items() if self.pool.ref_counts[b] == n]
         for b in alone:
@@ -362,6 +405,8 @@ class KVCacheManager:
         self._compacted.discard(seq_id)
         if table is not None:
             self._changed.add(seq_id)
+            if self._released.pop(seq_id, 0):
+                table = [b for b in table if b != BlockPool.NULL_BLOCK]
         private = self.private_blocks.pop(seq_id, None)
         if private:
             self.pool.free(private)

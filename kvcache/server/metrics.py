@@ -298,9 +298,10 @@ class ServerMetrics:
         slots = filled = 0
         lengths = []
         for seq in sched.running:
-            n = len(kv.block_tables.get(seq.seq_id, ())) * kv.block_size
+            released = kv.num_released(seq.seq_id) * kv.block_size  # sliding-window blocks given back
+            n = len(kv.block_tables.get(seq.seq_id, ())) * kv.block_size - released
             slots += n
-            filled += min(seq.num_computed_tokens - seq.num_evicted, n)
+            filled += min(seq.num_computed_tokens - seq.num_evicted - released, n)
             lengths.append(seq.num_tokens)
         self.fragmentation.set((slots - filled) / slots if slots else 0.0)
         self.seq_len_mean.set(sum(lengths) / len(lengths) if lengths else 0.0)

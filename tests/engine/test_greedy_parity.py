@@ -116,11 +116,14 @@ def test_chunked_prefill_mixed_with_decodes(case):
 
 
 def _small_pool_llm(path: str, prompts: list[list[int]], max_tokens: list[int], **kwargs) -> LLM:
-    """An engine whose pool holds about 1.5 of the workload's largest requests (8-token blocks)."""
+    """An engine whose pool holds about 1.5 of the workload's largest requests (8-token blocks); where the engine
+    gives back out-of-window blocks (mistral-swa), one more block than the largest request."""
     probe = LLM(path, kv_cache_memory="1MiB", block_size=SMALL_BLOCK)
     per_token = probe.kv_cache_info()["bytes_per_token"]
     largest = max(blocks_for(len(p) + n, SMALL_BLOCK) for p, n in zip(prompts, max_tokens))
     num_blocks = largest * 3 // 2
+    if probe.engine.release_window:
+        num_blocks = largest + 1
     llm = LLM(path, kv_cache_memory=num_blocks * SMALL_BLOCK * per_token, block_size=SMALL_BLOCK, **kwargs)
     assert llm.kv_cache_info()["num_blocks"] == num_blocks
     return llm
@@ -131,7 +134,9 @@ def test_preemption(case):
     llm = _small_pool_llm(path, prompts, max_tokens)
     got = _run(llm, prompts, max_tokens)
     assert _diff(got, expected) == []
-    assert llm.kv_cache_info()["num_preemptions"] > 0
+    # Where out-of-window blocks are given back, a pool that admits the largest request whole (its unchunked
+    # recompute needs it) leaves room for everyone's window: the chunked variant below preempts those
+    assert llm.kv_cache_info()["num_preemptions"] > 0 or llm.engine.release_window
 
 
 def test_preemption_with_chunked_prefill(case):

@@ -164,6 +164,7 @@ ops = st.lists(
         st.tuples(st.just("alloc"), st.integers(0, 7), st.integers(1, 12)),
         st.tuples(st.just("fork"), st.integers(0, 7), st.integers(0, 7)),
         st.tuples(st.just("free"), st.integers(0, 7), st.integers(0, 0)),
+        st.tuples(st.just("release"), st.integers(0, 7), st.integers(0, 60)),  # a sliding window's leading blocks
     ),
     max_size=40,
 )
@@ -178,14 +179,17 @@ def test_random_operations_keep_accounting(num_blocks, block_size, ops):
     def check():
         tables = kv.block_tables
         assert set(tables) == set(tokens)
+        null = BlockPool.NULL_BLOCK
         for s, t in tables.items():
             assert len(t) == blocks_for(tokens[s], block_size), (s, t, tokens[s])
-            assert len(set(t)) == len(t)
-            assert BlockPool.NULL_BLOCK not in t
-        for b in range(num_blocks):
+            r = kv.num_released(s)  # released entries are the leading ones, and only they are null
+            assert t[:r] == [null] * r and null not in t[r:]
+            assert len(set(t[r:])) == len(t) - r
+        for b in range(1, num_blocks):
             holders = sum(b in t for t in tables.values())
             assert kv.pool.ref_counts[b] == holders, b
-        held = {b for t in tables.values() for b in t}
+        assert kv.pool.ref_counts[null] == 0
+        held = {b for t in tables.values() for b in t} - {null}
         assert kv.num_free_blocks + len(held) == num_blocks - 1
 
     for op, a, b in ops:
@@ -227,6 +231,16 @@ def test_random_operations_keep_accounting(num_blocks, block_size, ops):
                 else:
                     assert copy == []
                     assert kv.num_free_blocks == free_before
+        elif op == "release":
+            if a not in tokens:
+                continue
+            before = list(kv.block_tables[a])
+            end = min(b // block_size, len(before))
+            freed = kv.release_leading(a, b)
+            table = kv.block_tables[a]
+            assert len(table) == len(before) and table[end:] == before[end:]
+            assert table[:end] == [BlockPool.NULL_BLOCK] * end
+            assert freed == [x for x in before[:end] if x != BlockPool.NULL_BLOCK]
         else:
             kv.free(a)
             tokens.pop(a, None)
@@ -288,3 +302,32 @@ def test_private_blocks_never_take_the_prefix_being_reused(mode):
     assert not set(kv.private_blocks[3]) & set(kv.block_tables[3])
     assert all(kv.pool.ref_counts[b] == (2 if mode == "radix" else 1) for b in prefix)
     assert kv.pool.keys[prefix[0]] is not None or mode == "radix"
+
+
+def test_release_leading_gives_back_registered_blocks_only_and_keeps_them_findable():
+    """Hash mode: a block goes back once registered (its successor's key names it); freed, it stays a prefix hit."""
+    kv = KVCacheManager(16, 4, "hash")
+    ids = list(range(100, 120))  # 5 full blocks
+    assert kv.allocate(0, 20)
+    table = list(kv.block_tables[0])
+    assert kv.release_leading(0, 12) == []  # nothing registered yet
+    kv.cache_blocks(0, ids, 8)  # 2 blocks registered
+    free = kv.num_free_blocks
+    assert kv.release_leading(0, 12) == table[:2]  # 3 blocks are behind the window, 2 registered
+    assert kv.block_tables[0][:3] == [BlockPool.NULL_BLOCK, BlockPool.NULL_BLOCK, table[2]]
+    assert kv.num_free_blocks == free + 2 and kv.num_released(0) == 2
+    kv.cache_blocks(0, ids, 20)  # registering the rest after the release: parents are the cached blocks' keys
+    assert kv.release_leading(0, 16) == table[2:4]
+    assert kv.find_prefix(1, ids + [7]) == table[:5]  # the whole chain is still findable
+    child = kv.fork(0, 2, 20)
+    assert child == [] and kv.block_tables[2][:4] == [BlockPool.NULL_BLOCK] * 4 and kv.num_released(2) == 4
+    kv.free(0)
+    kv.free(2)
+    assert all(c == 0 for c in kv.pool.ref_counts) and kv.num_free_blocks == 15
+
+
+def test_release_leading_is_refused_with_the_radix_tree():
+    kv = KVCacheManager(8, 4, "radix")
+    assert kv.allocate(0, 8)
+    with pytest.raises(ValueError, match="radix"):
+        kv.release_leading(0, 8)
