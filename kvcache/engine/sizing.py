@@ -145,7 +145,8 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
         return 0 if backend != "torch" else portable_attention_bytes(config, shape, max_model_len, compute_bytes,
                                                                      budget // per_token)
     budget = kv_budget(config, device, model, portable)
-    capacity = cache_capacity(shape, kv_dtype, budget.bytes, config.block_size, max_model_len)
+    radix = config.enable_prefix_caching and config.prefix_caching_algo == "radix"  # keeps out-of-window blocks
+    capacity = cache_capacity(shape, kv_dtype, budget.bytes, config.block_size, max_model_len, release=not radix)
     one_request = -(-max_model_len // config.block_size) + capacity.seq_blocks
     if budget.derived and capacity.num_blocks < one_request:
         raise ValueError(f"the KV cache this device leaves ({budget}) holds {capacity.num_blocks:,} blocks, fewer than "

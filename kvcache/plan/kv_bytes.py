@@ -111,8 +111,9 @@ def layer_bytes_per_token(shape: ModelShape, dtype: str, kind: str, tensor_paral
 def kv_bytes_per_token(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> int:
     """Bytes one token occupies in the cache across all attention layers (scales included).
 
-    This is what a paged pool charges per token slot: every attention layer stores the token
-    (a sliding-window layer only while it is in the window; the pool does not free out-of-window blocks).
+    This is what a paged pool charges per token slot: every attention layer stores the token (a sliding-window
+    layer only while it is in the window: kvcache's pool gives back out-of-window blocks only where every layer
+    slides with one window, see `paged_window`).
     """
     return sum(layer_bytes_per_token(shape, dtype, k, tensor_parallel_size) for k in shape.layer_kinds)
 
@@ -148,6 +149,14 @@ class LayerGroup:
     window: int | None  # tokens cached at most; None = all
 
 
+def paged_window(shape: ModelShape) -> int | None:
+    """The window whose tokens alone kvcache's paged pool keeps per sequence: where every attention layer slides
+    with that one window (one block table serves all layers, so a full-attention layer keeps every block); None
+    where it keeps every token. The pool holds whole blocks: up to one block more, before the window's first."""
+    kinds = {k for k in shape.layer_kinds if k != "linear"}
+    return shape.layer_window("sliding") if kinds == {"sliding"} else None
+
+
 def layer_groups(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> list[LayerGroup]:
     """The attention layers grouped by kind, in first-appearance order."""
     groups = []
@@ -167,7 +176,7 @@ class CacheBytes:
     residual_bytes: int  # fp16 buffers of quantization residuals (int4/int2)
     state_bytes: int  # linear-attention / SSM state
     total_bytes: int
-    paged_bytes: int  # what kvcache's paged pool holds: every attention layer keeps every token
+    paged_bytes: int  # what kvcache's paged pool holds (paged_window: every token, or the window's)
 
 
 def kv_cache_bytes(shape: ModelShape, dtype: str, batch: int, seq_len: int, tensor_parallel_size: int = 1,
@@ -180,7 +189,8 @@ def kv_cache_bytes(shape: ModelShape, dtype: str, batch: int, seq_len: int, tens
     attn *= batch
     residual = batch * residual_bytes_per_seq(shape, dtype, tp)
     state = batch * state_bytes_per_seq(shape, state_dtype, tp)
-    paged = batch * seq_len * kv_bytes_per_token(shape, dtype, tp) + residual + state
+    held = min(seq_len, paged_window(shape) or seq_len)
+    paged = batch * held * kv_bytes_per_token(shape, dtype, tp) + residual + state
     return CacheBytes(batch, seq_len, attn, residual, state, attn + residual + state, paged)
 
 
@@ -246,11 +256,13 @@ def check_kv_format(shape: ModelShape, dtype: str, block_size: int, tensor_paral
 
 
 def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size: int, max_model_len: int,
-                   tensor_parallel_size: int = 1, state_dtype: str = "bfloat16") -> CacheCapacity:
+                   tensor_parallel_size: int = 1, state_dtype: str = "bfloat16", release: bool = True) -> CacheCapacity:
     """Blocks, tokens and concurrency a budget of `budget_bytes` buys. Raises if not even one block fits.
 
     A request of L tokens takes ceil(L / block_size) blocks plus `sequence_blocks` for its
-    per-sequence buffers, drawn from the same pool.
+    per-sequence buffers, drawn from the same pool; where every layer slides with one window (paged_window), a
+    decoding request holds that window's blocks and one more at most, however long it grows (unless not
+    `release`: the engine's radix prefix cache keeps every block).
     """
     tp = tensor_parallel_size
     per_token = check_kv_format(shape, dtype, block_size, tp)
@@ -260,6 +272,8 @@ def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size:
         raise ValueError(f"KV cache budget of {budget_bytes:,} bytes is smaller than one block "
                          f"({block_size} tokens x {per_token:,} bytes = {block_bytes:,} bytes)")
     extra = sequence_blocks(shape, dtype, block_size, tp, state_dtype)
-    blocks_per_request = -(-max_model_len // block_size) + extra
+    window = paged_window(shape) if release else None
+    held = min(max_model_len, window) if window else max_model_len
+    blocks_per_request = min(-(-max_model_len // block_size), -(-held // block_size) + (1 if window else 0)) + extra
     return CacheCapacity(per_token, block_size, num_blocks, num_blocks * block_size, num_blocks * block_bytes,
                          max_model_len, num_blocks / blocks_per_request, extra)

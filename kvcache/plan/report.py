@@ -85,7 +85,8 @@ def format_report(r: dict) -> str:
                           "(constant per request)"))
     if r["paged_bytes"] != r["total_bytes"]:
         lines.append(("paged", f"{r['paged_bytes']:,} bytes ({human(r['paged_bytes'])}) in kvcache's paged pool, which "
-                               "keeps every layer's tokens (out-of-window blocks are not freed)"))
+                               "keeps every layer's tokens: one block table serves every layer, so out-of-window "
+                               "blocks are given back only where every layer slides with one window"))
     if "kv_budget" in r:
         lines += _capacity_lines(r)
     width = max(len(k) for k, _ in lines)
