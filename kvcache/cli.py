@@ -462,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     _command(bsub, "kv-cache-on-off", "generate N tokens with the KV cache and with none: time per step, total time "
              "and their growth exponents", "kvcache.bench.kv_cache_on_off")
     _command(bsub, "serve", "load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput", "kvcache.bench.serve")
+    _command(bsub, "sliding-window", "blocks per request and concurrency with out-of-window blocks given back, "
+             "against one table keeping them all", "kvcache.bench.sliding_window")
 
     ev = sub.add_parser("eval", help="quality evaluations")
     evsub = ev.add_subparsers(dest="eval", required=True)

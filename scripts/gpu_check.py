@@ -53,14 +53,14 @@ def make_model(directory: str, config: dict) -> str:
     """A random-weight Llama of `config`'s shape in bfloat16, saved with a word-level tokenizer (prompts are ids)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from tiny_models import _write_tokenizer
+    sys.path.insert(0, ROOT)
+    from kvcache.models.random_checkpoint import write_tokenizer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.bfloat16)
     model.save_pretrained(directory)
-    _write_tokenizer(directory, config["vocab_size"])
+    write_tokenizer(directory, config["vocab_size"])
     return directory
 
 

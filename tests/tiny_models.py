@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from kvcache.models.random_checkpoint import save_random_checkpoint
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
                           Qwen3Config)
 
@@ -37,41 +38,10 @@ TINY_ARCHS = {
 }
 
 
-def _write_tokenizer(directory: str, vocab_size: int) -> None:
-    """A word-level tokenizer over the tiny vocabulary, so text prompts work too."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for i in range(3, vocab_size):
-        vocab[f"w{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    from tokenizers import decoders
-    tok.decoder = decoders.WordPiece(prefix="##")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}w3{% endif %}")
-    fast.save_pretrained(directory)
-
-
 def make_tiny_model(directory: str, arch: str, seed: int = 0) -> str:
     """Save a random-weight `arch` model (safetensors + config.json + tokenizer) in `directory`."""
     cls, overrides = TINY_ARCHS[arch]
-    cfg = cls(**{**COMMON, **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
-    # Gemma's norms scale by 1 + w: their stored weights sit around 0, not 1
-    unit = 0.0 if cfg.model_type.startswith("gemma") else 1.0
-    with torch.no_grad():  # transformers initialises norms to 1 (Gemma's to 0) and biases to 0: make them count
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(unit + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-    model.save_pretrained(directory)
-    _write_tokenizer(directory, cfg.vocab_size)
-    return directory
+    return save_random_checkpoint(directory, cls(**{**COMMON, **overrides}), seed)
 
 
 def hf_model(path: str):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tiny_models import _write_tokenizer
+from kvcache.models.random_checkpoint import write_tokenizer as _write_tokenizer
 from kvcache.models.loader import build_model, read_checkpoint
 from kvcache.models.weights import CHUNK_BYTES
 

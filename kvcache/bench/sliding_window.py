@@ -1,0 +1,151 @@
+"""`kvcache bench sliding-window`: what giving back out-of-window blocks saves, measured on the engine.
+
+Random-weight models of two shapes, built on the spot with transformers' config classes (no model hub):
+- `mistral`: every layer slides with one window (Mistral-7B-v0.1's layout): the engine gives back each block no
+  future query can see, so a sequence holds its window's blocks and one more, however long it grows.
+- `gemma3`: 5 local layers to 1 global (Gemma-3's layout): one block table serves every layer and the global
+  layers need every token, so every block is kept (per-layer-group tables are what would free the local ones).
+
+Each shape runs twice in one process, with the blocks given back and as one table keeping them all (the engine's
+`release_window` cleared: the baseline), on the same prompts:
+1. Memory per request against context length: one request at a time, its largest number of blocks held at once
+   after any step, against the planner's figure (`cache_capacity`: what `kvcache plan` and the start-up count).
+2. Concurrency at a fixed pool: requests of 8x the window, all submitted at once, into a pool that holds 4 of them
+   whole: how many decode at once (mean over steps, and the most), the steps and the time to finish them all,
+   the preemptions, and whether both runs gave the same greedy tokens (the exit status says so too).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+from kvcache.bench.throughput import write_json
+from kvcache.memory.kv_cache_manager import blocks_for
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--window", type=int, default=64, help="sliding window (tokens)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--lengths", default="64,128,256,512,1024", help="context lengths (tokens) of part 1")
+    p.add_argument("--requests", type=int, default=32, help="requests of 8x the window in part 2")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--json", default="results/sliding_window.json")
+
+
+def _config(shape: str, window: int, max_len: int):
+    from transformers import Gemma3TextConfig, MistralConfig
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  sliding_window=window)
+    if shape == "mistral":
+        return MistralConfig(num_hidden_layers=4, **common)
+    return Gemma3TextConfig(num_hidden_layers=6, query_pre_attn_scalar=32, **common)  # layers 0-4 local, 5 global
+
+
+def _engine(path: str, args, num_blocks: int | None, release: bool, max_len: int):
+    from kvcache.engine.llm import LLM
+    probe = LLM(path, kv_cache_memory="1MiB", block_size=args.block_size, max_model_len=max_len)
+    per_block = probe.kv_cache_info()["bytes_per_token"] * args.block_size
+    llm = LLM(path, kv_cache_memory=(num_blocks or 4096) * per_block, block_size=args.block_size,
+              max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256)
+    if not release:
+        llm.engine.release_window = None  # the baseline: one table keeping every block
+    return llm
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [3 + (seed * 131 + 17 * i) % 500 for i in range(n)]
+
+
+def _peak_per_request(llm, length: int, prompt_len: int) -> int:
+    """Most blocks one request of `length` tokens holds at once: the engine's peak of blocks in use (taken in each
+    step after its forward, before any is given back), with that request alone in the pool."""
+    from kvcache.engine.sampling_params import SamplingParams
+    eng = llm.engine
+    eng.add_request("one", _prompt(prompt_len, 1), SamplingParams(temperature=0, max_tokens=length - prompt_len,
+                                                                  ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.check_no_leaks()
+    return eng.stats.peak_used_blocks
+
+
+def _concurrency(llm, n: int, length: int, prompt_len: int) -> dict:
+    """Submit `n` requests of `length` tokens at once: the most running together, the time, their tokens."""
+    from kvcache.engine.sampling_params import SamplingParams
+    eng = llm.engine
+    for i in range(n):
+        eng.add_request(str(i), _prompt(prompt_len, i), SamplingParams(temperature=0, max_tokens=length - prompt_len,
+                                                                       ignore_eos=True))
+    decoding, done = [], {}
+    t = time.perf_counter()
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        decoding.append(sum(s.num_computed_tokens >= s.num_prompt_tokens for s in eng.scheduler.running))
+    elapsed = time.perf_counter() - t
+    eng.check_no_leaks()
+    return {"most_decoding": max(decoding), "mean_decoding": sum(decoding) / len(decoding), "steps": len(decoding),
+            "elapsed_s": elapsed, "preemptions": eng.kv_cache_info()["num_preemptions"],
+            "tokens": [done[str(i)] for i in range(n)]}
+
+
+def _shape(shape: str, args, root: str) -> dict:
+    from kvcache.models.random_checkpoint import save_random_checkpoint
+    lengths = [int(x) for x in args.lengths.split(",")]
+    long = 8 * args.window
+    max_len = max(lengths + [long]) + 1
+    path = save_random_checkpoint(os.path.join(root, shape), _config(shape, args.window, max_len))
+    prompt_len = min(32, min(lengths) - 1)
+    rows = []
+    for length in lengths:
+        row = {"length": length, "all_blocks": blocks_for(length, args.block_size)}
+        for release in (True, False):
+            llm = _engine(path, args, None, release, max_len)
+            key = "given_back" if release else "one_table"
+            row[key] = _peak_per_request(llm, length, prompt_len)
+            if release:
+                from kvcache.plan.kv_bytes import cache_capacity
+                from kvcache.plan.model_source import load_model_shape
+                c = cache_capacity(load_model_shape(path), "float32", 2**30, args.block_size, length)
+                row["planner"] = round(c.num_blocks / c.max_concurrency)
+        rows.append(row)
+    pool = 4 * blocks_for(long, args.block_size)
+    runs = {}
+    for release in (True, False):
+        runs["given_back" if release else "one_table"] = _concurrency(_engine(path, args, pool, release, max_len),
+                                                                      args.requests, long, 64)
+    same = runs["given_back"]["tokens"] == runs["one_table"]["tokens"]
+    for r in runs.values():
+        del r["tokens"]
+    return {"shape": shape, "window": args.window, "block_size": args.block_size, "per_request": rows,
+            "concurrency": {"pool_blocks": pool, "request_tokens": long, "requests": args.requests, **runs,
+                            "same_tokens": same}}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.window < 1 or args.block_size < 1 or args.requests < 1:
+        raise ValueError("--window, --block-size and --requests must be positive")
+    results = {}
+    with tempfile.TemporaryDirectory() as root:
+        for shape in ("mistral", "gemma3"):
+            results[shape] = r = _shape(shape, args, root)
+            print(f"\n{shape}-shaped (window {args.window}, block {args.block_size}): blocks one request holds at "
+                  "most")
+            print(f"{'tokens':>7} {'all':>6} {'given back':>11} {'one table':>10} {'planner':>8} {'saving':>7}")
+            for row in r["per_request"]:
+                print(f"{row['length']:>7} {row['all_blocks']:>6} {row['given_back']:>11} {row['one_table']:>10} "
+                      f"{row['planner']:>8} {row['one_table'] / row['given_back']:>6.2f}x")
+            c = r["concurrency"]
+            g, o = c["given_back"], c["one_table"]
+            print(f"{c['requests']} requests of {c['request_tokens']} tokens, pool of {c['pool_blocks']} blocks: "
+                  f"{g['mean_decoding']:.1f} decoding at once on average against {o['mean_decoding']:.1f} "
+                  f"({g['mean_decoding'] / o['mean_decoding']:.2f}x; at most {g['most_decoding']} and "
+                  f"{o['most_decoding']}), {g['steps']} steps against {o['steps']}, {g['elapsed_s']:.1f} s against "
+                  f"{o['elapsed_s']:.1f} s ({o['elapsed_s'] / g['elapsed_s']:.2f}x), preemptions {g['preemptions']} "
+                  f"against {o['preemptions']}; greedy tokens {'identical' if c['same_tokens'] else 'DIFFER'}")
+    write_json(args.json, results)
+    return 0 if all(r["concurrency"]["same_tokens"] for r in results.values()) else 1
