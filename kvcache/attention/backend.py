@@ -2,7 +2,7 @@
 
 - `torch`: the portable path (decode rows gathered into padded groups, SDPA with masks). Runs anywhere.
 - `cpu`: the C++ decode kernel walking block tables (cpu_kernel.py): CPU, float32 compute, a float32 or quantized
-  store; prefill stays on SDPA.
+  store; prefill stays on SDPA (or, for soft-capped scores, their eager computation).
 - `triton`: the Triton kernels (triton_attention.py): CUDA, full-precision or fp8/int8 stores, block size >= 16
   (tl.dot's smallest tile); decode, prefill over a cached prefix and the quantizing KV write.
 - `auto`: triton on CUDA, cpu on the CPU, where they can run; else torch (the start-up log says which and why).
@@ -47,18 +47,14 @@ def _why_not_cpu(device: torch.device, dtype: torch.dtype, kv: KVDtype) -> str |
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str,
                     block_size: int, softcap: bool = False) -> tuple[str, str]:
     """(backend, why) for `name` on this device, compute dtype, KV format and block size, and whether the model
-    soft-caps its attention scores (Gemma-2: the portable path only); ValueError naming what to use instead if a
+    soft-caps its attention scores (Gemma-2: not the Triton kernels); ValueError naming what to use instead if a
     backend asked for by name cannot run here."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
-    if softcap:
-        if name not in ("auto", "torch"):
-            raise ValueError(f"attention_backend {name} cannot run this model: its attention scores are soft-capped "
-                             "(attn_logit_softcapping), which only --attention-backend torch computes")
-        return "torch", "the model soft-caps its attention scores, which the portable path computes"
     kv = kv_dtype(kv_cache_dtype)
-    checks = {"triton": lambda: _why_not_triton(device, kv, block_size),
-              "cpu": lambda: _why_not_cpu(device, dtype, kv), "torch": lambda: None}
+    why_not_triton = (lambda: "its kernels do not soft-cap attention scores (attn_logit_softcapping; use "
+                      "--attention-backend cpu or torch)") if softcap else (lambda: _why_not_triton(device, kv, block_size))
+    checks = {"triton": why_not_triton, "cpu": lambda: _why_not_cpu(device, dtype, kv), "torch": lambda: None}
     if name != "auto":
         why = checks[name]()
         if why:

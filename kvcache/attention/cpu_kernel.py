@@ -55,10 +55,15 @@ static inline float dot(const float* q, const float* k, int64_t Drt) {
   }
 }
 
-// Softmax of each of `rows` rows of `n` scores, in place.
-static inline void softmax_rows(float* s, int64_t rows, int64_t n) {
+// Softmax of each of `rows` rows of `n` scores, in place; with cap > 0 the scores are soft-capped first,
+// cap * tanh(s / cap) (Gemma-2's attn_logit_softcapping).
+static inline void softmax_rows(float* s, int64_t rows, int64_t n, float cap) {
   for (int64_t h = 0; h < rows; ++h) {
     float* sh = s + h * n;
+    if (cap > 0.f) {
+      const float inv_cap = 1.f / cap;
+      for (int64_t i = 0; i < n; ++i) sh[i] = cap * tanhf(sh[i] * inv_cap);
+    }
     float m = sh[0];
     for (int64_t i = 1; i < n; ++i) m = std::max(m, sh[i]);
     float sum = 0.f;
@@ -73,7 +78,7 @@ static inline void softmax_rows(float* s, int64_t rows, int64_t n) {
 template <int64_t DC>
 static void decode_impl(float* op, const float* qp, const float* kp, const float* vp, const int64_t* bt,
                         const int64_t* cl, int64_t B, int64_t H, int64_t Drt, int64_t BS, int64_t KVH,
-                        int64_t MAXNB, float sc, int64_t window) {
+                        int64_t MAXNB, float sc, int64_t window, float cap) {
   const int64_t D = DC ? DC : Drt, G = H / KVH, blk = BS * KVH * D, tok = KVH * D;
   // One work item per sequence, all heads together: a token's K (or V) for every head is
   // one contiguous run of KVH * D floats, so each block is read front to back once. (Splitting
@@ -98,7 +103,7 @@ static void decode_impl(float* op, const float* qp, const float* kp, const float
           }
         }
       }
-      softmax_rows(s.data(), H, n);
+      softmax_rows(s.data(), H, n, cap);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t bi = j0 / BS; bi * BS < L; ++bi) {
         const float* vb = vp + table[bi] * blk;
@@ -132,7 +137,7 @@ static void qdecode_impl(float* op, const float* qp, const uint8_t* raw, int64_t
                          int64_t kso, int64_t vso, int64_t kzo, int64_t vzo, const float* lut,
                          int64_t GK, int64_t GV, const int64_t* bt, const int64_t* cl, int64_t B, int64_t H, int64_t Drt,
                          int64_t BS, int64_t KVH, int64_t MAXNB, float sc, int64_t window, const float* fsrc,
-                         const int64_t* frows, const int64_t* fstart, int64_t FR) {
+                         const int64_t* frows, const int64_t* fstart, int64_t FR, float cap) {
   constexpr bool KIVI = CODE == 4 || CODE == 2;
   constexpr int PER = KIVI ? 8 / CODE : 1;
   constexpr uint8_t MASK = KIVI ? (1 << CODE) - 1 : 0xFF;
@@ -189,7 +194,7 @@ static void qdecode_impl(float* op, const float* qp, const uint8_t* raw, int64_t
           }
         }
       }
-      softmax_rows(s.data(), H, n);
+      softmax_rows(s.data(), H, n, cap);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t bi = j0 / BS; bi * BS < L; ++bi) {
         const uint8_t* row = raw + table[bi] * ROW;
@@ -237,7 +242,8 @@ static void qdecode_dispatch(int64_t D, auto args) {
 void paged_decode_quant(torch::Tensor out, torch::Tensor q, torch::Tensor raw, std::vector<int64_t> offsets,
                         int64_t code, torch::Tensor lut, int64_t gk, int64_t gv, int64_t block_size,
                         int64_t kv_heads, torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                        int64_t window, torch::Tensor full_src, torch::Tensor full_rows, torch::Tensor full_start) {
+                        int64_t window, torch::Tensor full_src, torch::Tensor full_rows, torch::Tensor full_start,
+                        double softcap) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && raw.is_contiguous() && lut.is_contiguous());
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous() && offsets.size() == 6);
   TORCH_CHECK(q.scalar_type() == at::kFloat && lut.scalar_type() == at::kFloat && raw.scalar_type() == at::kByte);
@@ -252,7 +258,8 @@ void paged_decode_quant(torch::Tensor out, torch::Tensor q, torch::Tensor raw, s
                               block_tables.size(1), (float)scale, window,
                               kivi ? full_src.data_ptr<float>() : nullptr,
                               kivi ? full_rows.data_ptr<int64_t>() : nullptr,
-                              kivi ? full_start.data_ptr<int64_t>() : nullptr, kivi ? full_rows.size(1) : (int64_t)0);
+                              kivi ? full_start.data_ptr<int64_t>() : nullptr, kivi ? full_rows.size(1) : (int64_t)0,
+                              (float)softcap);
   switch (code) {
     case 0: qdecode_dispatch<0>(D, args); break;
     case 1: qdecode_dispatch<1>(D, args); break;
@@ -263,7 +270,8 @@ void paged_decode_quant(torch::Tensor out, torch::Tensor q, torch::Tensor raw, s
 }
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window) {
+                  torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window,
+                  double softcap) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat);
@@ -271,7 +279,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
   auto args = std::make_tuple(out.data_ptr<float>(), q.data_ptr<float>(), k_cache.data_ptr<float>(),
                               v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
                               context_lens.data_ptr<int64_t>(), B, H, D, k_cache.size(1), k_cache.size(2),
-                              block_tables.size(1), (float)scale, window);
+                              block_tables.size(1), (float)scale, window, (float)softcap);
   if (D == 64) std::apply(decode_impl<64>, args);
   else if (D == 128) std::apply(decode_impl<128>, args);
   else std::apply(decode_impl<0>, args);
@@ -294,14 +302,16 @@ def load() -> object | None:
 
 
 def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None) -> None:
-    """out[b] = attention of q[b] ([B, H, D]) over the first context_lens[b] tokens of its block table."""
-    load().paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, window or 0)
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None,
+                 softcap: float | None = None) -> None:
+    """out[b] = attention of q[b] ([B, H, D]) over the first context_lens[b] tokens of its block table; scores
+    soft-capped (c * tanh(s / c)) with `softcap`."""
+    load().paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, window or 0, softcap or 0.0)
 
 
 def paged_decode_quant(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, scale: float, window: int | None,
-                       full: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+                       full: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, softcap: float | None = None) -> None:
     """paged_decode over a QuantizedKVStore layer, dequantizing each token as it is read. Under KIVI `full` is
     (full-precision key rows [R, KVH, D], row of each sequence's current-group position [B, group], the position
     that group starts at [B])."""
@@ -310,4 +320,5 @@ def paged_decode_quant(out: torch.Tensor, q: torch.Tensor, store, layer: int, bl
     code = store.bits if store.kivi_group else (1 if store.dtype == "int8" else 0)
     load().paged_decode_quant(out, q, store.raw[layer], store.offsets, code, store.lut,
                                store.kivi_group or 1, store.value_group, store.block_size,
-                               store.num_kv_heads, block_tables, context_lens, scale, window or 0, src, rows, start)
+                               store.num_kv_heads, block_tables, context_lens, scale, window or 0, src, rows, start,
+                               softcap or 0.0)

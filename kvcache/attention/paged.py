@@ -52,14 +52,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
     QuantizedKVStore); GQA/MQA share each KV head across H / KVH query heads. Blocks are read
     dequantized; under KIVI, keys of each query's own group come in full precision from `key_src`, what
     the store's `write` returned. With `softcap` (Gemma-2) the scores are soft-capped, c * tanh(s / c), before
-    the mask and the softmax: the portable path only (the kernels raise).
+    the mask and the softmax: by the C++ decode kernel and the portable path (the Triton kernels do not).
     """
     T, H, D = q.shape
     kvh = k.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides (kernels write it)
     src = key_src
-    if softcap is not None and (batch.decode_kernel or batch.backend == "triton"):
-        raise ValueError("attention soft-capping runs on the portable path only (attention_backend torch)")
+    if softcap is not None and batch.backend == "triton":
+        raise ValueError("the Triton kernels do not soft-cap attention scores (attention_backend cpu or torch does)")
     for g in batch.decode_groups:
         table, lens = g.view(layer)
         # every row a decode (in batch order: a kernel's group is not sorted): the kernel writes `out` directly
@@ -75,10 +75,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
             o = out if whole else ws.get("decode_out", (g.rows.numel(), H, D), q)
             qg = q.contiguous() if whole else q.index_select(0, g.rows)
             if store.exact:
-                cpu_kernel.paged_decode(o, qg, store.k[layer], store.v[layer], table, lens, scale, window)
+                cpu_kernel.paged_decode(o, qg, store.k[layer], store.v[layer], table, lens, scale, window, softcap)
             else:
                 full = (src, *g.full) if g.full is not None else None
-                cpu_kernel.paged_decode_quant(o, qg, store, layer, table, lens, scale, window, full)
+                cpu_kernel.paged_decode_quant(o, qg, store, layer, table, lens, scale, window, full, softcap)
             if not whole:
                 out.index_copy_(0, g.rows, o)
             continue

@@ -15,8 +15,9 @@ from kvcache.store.kv_store import KVStore
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-              window: int | None) -> torch.Tensor:
-    """softmax(QK^T * scale + mask) V in float64 for one sequence.
+              window: int | None, softcap: float | None = None) -> torch.Tensor:
+    """softmax(QK^T * scale + mask) V in float64 for one sequence, the scores soft-capped (c tanh(s / c)) first
+    with `softcap`.
 
     q [n, H, D] at positions [start, start + n); k, v [start + n, KVH, D] the whole history.
     """
@@ -27,6 +28,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
     kd = k.double().repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, L, D]
     vd = v.double().repeat_interleave(rep, dim=1).transpose(0, 1)
     scores = qd @ kd.transpose(1, 2) * scale  # [H, n, L]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(start, start + n)[:, None]
     k_pos = torch.arange(L)[None, :]
     visible = k_pos <= q_pos
@@ -38,7 +41,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
 
 def run_case(seqs: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int, head_dim: int,
              window: int | None, seed: int, windows_in_batch: tuple[int | None, ...] | None = None,
-             spare_blocks: int = 3, kernel: bool = False):
+             spare_blocks: int = 3, kernel: bool = False, softcap: float | None = None):
     """Fill a store with each sequence's cached K/V, then attend one step of new tokens.
 
     `seqs` is a list of (cached tokens, new tokens). Returns (paged output, reference output, batch).
@@ -77,8 +80,8 @@ def run_case(seqs: list[tuple[int, int]], block_size: int, heads: int, kv_heads:
     q = torch.cat(qs)
     store.write(0, batch.slot_mapping, k_new, v_new)
     scale = head_dim ** -0.5
-    out = paged_attention(q, k_new, v_new, store, 0, batch, scale, window, Workspace())
-    ref = torch.cat([reference(qi, hk, hv, c, scale, window)
+    out = paged_attention(q, k_new, v_new, store, 0, batch, scale, window, Workspace(), softcap=softcap)
+    ref = torch.cat([reference(qi, hk, hv, c, scale, window, softcap)
                      for qi, hk, hv, (c, _) in zip(qs, hist_k, hist_v, seqs)])
     return out, ref, batch
 
@@ -96,9 +99,9 @@ head_configs = st.sampled_from([(4, 4), (4, 2), (4, 1), (6, 3), (8, 1), (2, 2)])
        heads=head_configs,
        head_dim=st.sampled_from([8, 16]),
        window=st.one_of(st.none(), st.integers(1, 30)),
-       seed=st.integers(0, 2**16))
-def test_paged_attention_matches_reference(seqs, block_size, heads, head_dim, window, seed):
-    _check_case(seqs, block_size, heads, head_dim, window, seed, kernel=False)
+       seed=st.integers(0, 2**16), softcap=st.sampled_from([None, None, 0.5, 3.0]))
+def test_paged_attention_matches_reference(seqs, block_size, heads, head_dim, window, seed, softcap):
+    _check_case(seqs, block_size, heads, head_dim, window, seed, kernel=False, softcap=softcap)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -107,16 +110,17 @@ def test_paged_attention_matches_reference(seqs, block_size, heads, head_dim, wi
        heads=head_configs,
        head_dim=st.sampled_from([8, 16, 64]),
        window=st.one_of(st.none(), st.integers(1, 30)),
-       seed=st.integers(0, 2**16))
-def test_cpu_kernel_matches_reference(seqs, block_size, heads, head_dim, window, seed):
-    """The C++ decode kernel reads blocks straight from the store: same answers, no padding."""
+       seed=st.integers(0, 2**16), softcap=st.sampled_from([None, None, 0.5, 3.0]))
+def test_cpu_kernel_matches_reference(seqs, block_size, heads, head_dim, window, seed, softcap):
+    """The C++ decode kernel reads blocks straight from the store: same answers, no padding; soft-capped scores
+    (Gemma-2) too."""
     assert cpu_kernel.load() is not None, "the C++ CPU attention kernel failed to build on this machine"
-    _check_case(seqs, block_size, heads, head_dim, window, seed, kernel=True)
+    _check_case(seqs, block_size, heads, head_dim, window, seed, kernel=True, softcap=softcap)
 
 
-def _check_case(seqs, block_size, heads, head_dim, window, seed, kernel):
+def _check_case(seqs, block_size, heads, head_dim, window, seed, kernel, softcap=None):
     h, kvh = heads
-    out, ref, batch = run_case(seqs, block_size, h, kvh, head_dim, window, seed, kernel=kernel)
+    out, ref, batch = run_case(seqs, block_size, h, kvh, head_dim, window, seed, kernel=kernel, softcap=softcap)
     if kernel:
         assert len(batch.decode_groups) <= 1
     assert out.shape == ref.shape

@@ -153,3 +153,25 @@ def test_same_engine_reused_gives_same_tokens(case):
     llm = LLM(path, kv_cache_memory="8MiB", block_size=BLOCK_SIZE, max_num_batched_tokens=48)
     assert _diff(_run(llm, prompts[::-1], max_tokens[::-1]), expected[::-1]) == []
     assert _diff(_run(llm, prompts, max_tokens), expected) == []
+
+
+@pytest.mark.parametrize("kv", ["float32", "int8", "fp8"])
+def test_soft_capped_attention_is_the_same_on_the_cpu_kernel_and_the_portable_path(tiny_model_dirs, kv):
+    """Gemma-2's scores are soft-capped in the C++ decode kernel (auto picks it on the CPU) as on the portable
+    path, over a quantized cache too: the same greedy tokens; in float32 transformers' own."""
+    path = tiny_model_dirs["gemma2"]
+    prompts, max_tokens = _workload(seed=3)
+    prompts, max_tokens = prompts[:6], max_tokens[:6]
+    runs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(path, kv_cache_memory="8MiB", block_size=BLOCK_SIZE, kv_cache_dtype=kv, attention_backend=backend)
+        assert llm.engine.backend == backend
+        runs[backend] = _run(llm, prompts, max_tokens)
+    assert runs["cpu"] == runs["torch"]
+    if kv == "float32":
+        model = hf_model(path)
+        assert runs["cpu"] == [hf_greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
+    auto = LLM(path, kv_cache_memory="8MiB")
+    assert auto.engine.backend == "cpu"
+    with pytest.raises(ValueError, match="soft-cap"):
+        LLM(path, kv_cache_memory="8MiB", attention_backend="triton")
