@@ -2,7 +2,7 @@
 
 - `torch`: the portable path (decode rows gathered into padded groups, SDPA with masks). Runs anywhere.
 - `cpu`: the C++ decode kernel walking block tables (cpu_kernel.py): CPU, float32 compute, a float32 or quantized
-  store; prefill stays on SDPA (or, for soft-capped scores, their eager computation).
+  store; prefill stays on SDPA (or, for soft-capped scores, computes them out).
 - `triton`: the Triton kernels (triton_attention.py): CUDA, full-precision or fp8/int8 stores, block size >= 16
   (tl.dot's smallest tile); decode, prefill over a cached prefix and the quantizing KV write.
 - `auto`: triton on CUDA, cpu on the CPU, where they can run; else torch (the start-up log says which and why).
@@ -45,16 +45,14 @@ def _why_not_cpu(device: torch.device, dtype: torch.dtype, kv: KVDtype) -> str |
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str,
-                    block_size: int, softcap: bool = False) -> tuple[str, str]:
-    """(backend, why) for `name` on this device, compute dtype, KV format and block size, and whether the model
-    soft-caps its attention scores (Gemma-2: not the Triton kernels); ValueError naming what to use instead if a
-    backend asked for by name cannot run here."""
+                    block_size: int) -> tuple[str, str]:
+    """(backend, why) for `name` on this device, compute dtype, KV format and block size; ValueError naming what to
+    use instead if a backend asked for by name cannot run here."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
     kv = kv_dtype(kv_cache_dtype)
-    why_not_triton = (lambda: "its kernels do not soft-cap attention scores (attn_logit_softcapping; use "
-                      "--attention-backend cpu or torch)") if softcap else (lambda: _why_not_triton(device, kv, block_size))
-    checks = {"triton": why_not_triton, "cpu": lambda: _why_not_cpu(device, dtype, kv), "torch": lambda: None}
+    checks = {"triton": lambda: _why_not_triton(device, kv, block_size),
+              "cpu": lambda: _why_not_cpu(device, dtype, kv), "torch": lambda: None}
     if name != "auto":
         why = checks[name]()
         if why:

@@ -52,14 +52,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
     QuantizedKVStore); GQA/MQA share each KV head across H / KVH query heads. Blocks are read
     dequantized; under KIVI, keys of each query's own group come in full precision from `key_src`, what
     the store's `write` returned. With `softcap` (Gemma-2) the scores are soft-capped, c * tanh(s / c), before
-    the mask and the softmax: by the C++ decode kernel and the portable path (the Triton kernels do not).
+    the mask and the softmax, by every path.
     """
     T, H, D = q.shape
     kvh = k.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides (kernels write it)
     src = key_src
-    if softcap is not None and batch.backend == "triton":
-        raise ValueError("the Triton kernels do not soft-cap attention scores (attention_backend cpu or torch does)")
     for g in batch.decode_groups:
         table, lens = g.view(layer)
         # every row a decode (in batch order: a kernel's group is not sorted): the kernel writes `out` directly
@@ -67,7 +65,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
         if batch.decode_kernel and batch.backend == "triton":
             o = out if whole else ws.get("decode_out", (g.rows.numel(), H, D), q)
             triton_attention().paged_decode(o, q.contiguous() if whole else q.index_select(0, g.rows), store, layer,
-                                            table, lens, scale, window)
+                                            table, lens, scale, window, softcap=softcap)
             if not whole:
                 out.index_copy_(0, g.rows, o)
             continue
@@ -94,10 +92,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
         qg = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, D]
         o = _attend(qg, kg.transpose(1, 2), vg.transpose(1, 2), mask, scale, softcap)
         out.index_copy_(0, g.rows, o.squeeze(2))
+    q_rows = None  # q as the Triton prefill kernel indexes it, [T, H, D] contiguous (q is a view of q/k/v)
     for p in batch.prefills:
         if batch.backend == "triton" and p.block_ids is not None:
-            triton_attention().paged_prefill(out, q, store, layer, p.block_ids, p.start, p.length, p.context_len, scale,
-                                             window)
+            q_rows = q.contiguous() if q_rows is None else q_rows
+            triton_attention().paged_prefill(out, q_rows, store, layer, p.block_ids, p.start, p.length, p.context_len,
+                                             scale, window, softcap)
             continue
         qs = q[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if p.block_ids is None:

@@ -47,8 +47,17 @@ def _load_kv(x_ptr, raw16_ptr, lut_ptr, phys, t, kh, d, tmask, dmask, row_bytes,
 
 
 @triton.jit
+def _softcap(scores, cap):
+    """cap * tanh(scores / cap) (Gemma-2's attn_logit_softcapping), tanh from exp of -2|x|: no overflow."""
+    x = scores / cap
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x >= 0, t, -t)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, lut_ptr, table_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr,
-                   table_stride, row_bytes, kd_off, vd_off, ks_off, vs_off, scale, window, blocks_per_split,
+                   table_stride, row_bytes, kd_off, vd_off, ks_off, vs_off, scale, window, blocks_per_split, softcap,
                    H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr):
     b = tl.program_id(0)
@@ -81,6 +90,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, lut_ptr, table_ptr, lens_ptr,
         v = _load_kv(v_ptr, raw16_ptr, lut_ptr, phys, t, kh, d, valid, dmask, row_bytes, vd_off, vs_off,
                      BS, KVH, D, QUANT)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BS]
+        if softcap > 0:
+            scores = _softcap(scores, softcap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -119,7 +130,7 @@ def _reduce_kernel(acc_ptr, ml_ptr, out_ptr, D: tl.constexpr, S: tl.constexpr, B
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, lut_ptr, table_ptr, out_ptr, row0, n, ctx, row_bytes, kd_off,
-                    vd_off, ks_off, vs_off, scale, window, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
+                    vd_off, ks_off, vs_off, scale, window, softcap, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                     D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_D: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr):
     """Queries `row0 + [tile * BLOCK_M, ...)` (chunk rows < n; position ctx - n + i) of one KV head's G query heads,
@@ -157,6 +168,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, lut_ptr, table_ptr, out_ptr,
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
             scores = tl.dot(q, tl.trans(k)) * scale
+        if softcap > 0:
+            scores = _softcap(scores, softcap)
         ok = (kpos[None, :] <= qpos[:, None]) & kvalid[None, :]
         if window > 0:
             ok = ok & (qpos[:, None] - kpos[None, :] < window)
@@ -220,9 +233,11 @@ def _store_args(store, layer: int) -> tuple:
 
 
 def paged_decode(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, window: int | None, num_splits: int | None = None) -> None:
+                 context_lens: torch.Tensor, scale: float, window: int | None, num_splits: int | None = None,
+                 softcap: float | None = None) -> None:
     """out[b] ([B, H, D]) = attention of q[b] over the first context_lens[b] tokens of block_tables[b] in `layer`
-    of `store` (a full-precision KVStore, or a per-token fp8/int8 QuantizedKVStore)."""
+    of `store` (a full-precision KVStore, or a per-token fp8/int8 QuantizedKVStore); scores soft-capped with
+    `softcap`."""
     B, H, D = q.shape
     KVH = store.num_kv_heads if hasattr(store, "num_kv_heads") else store.k[layer].shape[2]
     G = H // KVH
@@ -236,12 +251,14 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_ta
     args = dict(H=H, KVH=KVH, G=G, D=D, BS=bs, BLOCK_G=_pow2(G), BLOCK_D=_pow2(D), QUANT=quant)
     if num_splits == 1:
         _decode_kernel[(B, KVH, 1)](q, k, v, raw16, lut, table, context_lens, out, out, out, table.stride(0),
-                                    row_bytes, kd, vd, ks, vs, scale, window or 0, per_split, SPLIT=False, **args)
+                                    row_bytes, kd, vd, ks, vs, scale, window or 0, per_split, softcap or 0.0,
+                                    SPLIT=False, **args)
         return
     acc = torch.empty(B * H * num_splits, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * H * num_splits, 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(B, KVH, num_splits)](q, k, v, raw16, lut, table, context_lens, out, acc, ml, table.stride(0),
-                                         row_bytes, kd, vd, ks, vs, scale, window or 0, per_split, SPLIT=True, **args)
+                                         row_bytes, kd, vd, ks, vs, scale, window or 0, per_split, softcap or 0.0,
+                                         SPLIT=True, **args)
     _reduce_kernel[(B * H,)](acc, ml, out, D=D, S=num_splits, BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(D))
 
 
@@ -254,10 +271,12 @@ def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
 
 
 def paged_prefill(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_table: torch.Tensor, row0: int,
-                  n: int, context_len: int, scale: float, window: int | None) -> None:
+                  n: int, context_len: int, scale: float, window: int | None, softcap: float | None = None) -> None:
     """out[row0:row0+n] = causal attention of those query rows (positions context_len - n ...) over the first
-    context_len tokens of `block_table` (the chunk's own K/V already written)."""
+    context_len tokens of `block_table` (the chunk's own K/V already written); scores soft-capped with `softcap`."""
     H, D = q.shape[1], q.shape[2]
+    if not (q.is_contiguous() and out.is_contiguous()):
+        raise ValueError("paged_prefill indexes q and out as contiguous [T, H, D] tensors")
     KVH = store.num_kv_heads if hasattr(store, "num_kv_heads") else store.k[layer].shape[2]
     G = H // KVH
     k, v, raw16, lut, row_bytes, kd, vd, ks, vs, quant = _store_args(store, layer)
@@ -265,7 +284,7 @@ def paged_prefill(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_t
     block_m = max(1, 64 // block_g)  # 64 query rows (tokens x heads of this KV head) share each K/V load
     _prefill_kernel[(-(-n // block_m), KVH)](
         q, k, v, raw16, lut, block_table, out, row0, n, context_len, row_bytes, kd, vd, ks, vs, scale, window or 0,
-        H=H, KVH=KVH, G=G, D=D, BS=store.block_size, BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_D=_pow2(D),
+        softcap or 0.0, H=H, KVH=KVH, G=G, D=D, BS=store.block_size, BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_D=_pow2(D),
         QUANT=quant, F32_DOT=q.dtype == torch.float32 or INTERPRETED)
 
 

@@ -95,9 +95,8 @@ class LLMEngine:
         self._kivi_group = KV_DTYPES[self.kv_dtype].group if KV_DTYPES[self.kv_dtype].scales == "kivi" else 0
         if config.eviction.enabled:
             self._check_eviction(config.eviction)
-        softcap = hf.model_type == "gemma2" and getattr(hf, "attn_logit_softcapping", None) is not None
         self.backend, why = resolve_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
-                                            config.block_size, softcap)
+                                            config.block_size)
         if config.quantization != "none" and self.device.type != "cpu":
             raise ValueError(f"quantization {config.quantization} runs on the CPU only (its kernel is a CPU one); "
                              "use --quantization none on CUDA")

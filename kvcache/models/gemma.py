@@ -6,8 +6,8 @@ Gemma's differences.
 - Four norms a layer: the attention's and the MLP's outputs are normed before each joins the residual.
 - Queries are scaled by query_pre_attn_scalar^-0.5, not head_dim's; layer_types says which layers are local
   (sliding window) and which global: alternating in Gemma-2, 5 local to 1 global in Gemma-3.
-- Gemma-2 soft-caps the attention scores (attn_logit_softcapping: s = c * tanh(s / c)), which the C++ decode
-  kernel and the portable path compute (attention/paged.py), not the Triton kernels (the start-up avoids them).
+- Gemma-2 soft-caps the attention scores (attn_logit_softcapping: s = c * tanh(s / c)), which every attention
+  path computes (attention/paged.py: the C++ and Triton kernels, and the portable path's scores written out).
 - Gemma-3 norms q and k per head before RoPE, and its local layers rotate with their own RoPE base
   (rope_parameters["sliding_attention"]), global layers with theirs.
 - The MLP is GELU (tanh approximation) gated; embeddings are scaled by sqrt(hidden_size) in the compute dtype;

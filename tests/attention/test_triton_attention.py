@@ -73,6 +73,7 @@ SHAPES = st.fixed_dictionaries({
     "block_size": st.sampled_from([4, 16]), "kv_heads": st.sampled_from([1, 2]), "group": st.sampled_from([1, 2, 3]),
     "head_dim": st.sampled_from([16, 24]), "kv": st.sampled_from(STORES), "compute": st.sampled_from(list(COMPUTE)),
     "window": st.sampled_from([None, 5, 21]), "seed": st.integers(0, 10**6),
+    "softcap": st.sampled_from([None, None, 1.5]),  # Gemma-2's attn_logit_softcapping
 })
 
 
@@ -90,9 +91,9 @@ def test_decode_matches_the_float64_reference(shape, lens, splits):
     out = torch.empty_like(q)
     scale = shape["head_dim"] ** -0.5
     ta.paged_decode(out, q, store, 0, padded(tables), torch.tensor(lens, device=DEVICE), scale, shape["window"],
-                    num_splits=splits)
+                    num_splits=splits, softcap=shape["softcap"])
     for b, (n, (k, v)) in enumerate(zip(lens, kvs)):
-        ref = reference(q[b:b + 1].cpu(), k, v, n - 1, scale, shape["window"])[0]
+        ref = reference(q[b:b + 1].cpu(), k, v, n - 1, scale, shape["window"], shape["softcap"])[0]
         torch.testing.assert_close(out[b].float().cpu(), ref.float(), atol=tolerance(compute),
                                    rtol=rel_tolerance(compute))
 
@@ -112,8 +113,9 @@ def test_prefill_over_a_cached_prefix_matches_the_float64_reference(shape, cache
     q = torch.randn(rows + n + 2, H, shape["head_dim"], generator=g).to(compute).to(DEVICE)
     out = torch.zeros_like(q)
     scale = shape["head_dim"] ** -0.5
-    ta.paged_prefill(out, q, store, 0, torch.tensor(table, device=DEVICE), rows, n, total, scale, shape["window"])
-    ref = reference(q[rows:rows + n].cpu(), k, v, cached, scale, shape["window"])
+    ta.paged_prefill(out, q, store, 0, torch.tensor(table, device=DEVICE), rows, n, total, scale, shape["window"],
+                     shape["softcap"])
+    ref = reference(q[rows:rows + n].cpu(), k, v, cached, scale, shape["window"], shape["softcap"])
     torch.testing.assert_close(out[rows:rows + n].float().cpu(), ref.float(), atol=tolerance(compute),
                                rtol=rel_tolerance(compute))
     assert not out[:rows].any() and not out[rows + n:].any()  # no other row written
@@ -149,12 +151,14 @@ def test_the_kernels_leave_no_partial_result_behind_when_splitting():
     torch.testing.assert_close(out[0].float().cpu(), ref.float(), atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_the_engine_on_the_triton_backend_matches_the_torch_backend(tiny_model_dirs, kv):
+@pytest.mark.parametrize("arch, kv", [("qwen3", "auto"), ("qwen3", "int8"), ("llama", "auto"), ("gemma2", "auto")])
+def test_the_engine_on_the_triton_backend_matches_the_torch_backend(tiny_model_dirs, arch, kv):
     """The whole engine through the Triton kernels (decode, prefill over cached prefixes, the quantizing write):
-    teacher-forced logits in chunks and greedy tokens of a mixed batch as on the portable path (float32)."""
+    teacher-forced logits in chunks and greedy tokens of a mixed batch as on the portable path (float32); qwen3:
+    GQA 2:1 with head_dim 32; llama: its queries a strided view of the q/k/v product (the prefill kernel once read
+    them as if contiguous: only qwen3's q norm had hidden that); gemma2: soft-capped scores, a window of 24."""
     from kvcache import LLM, SamplingParams
-    path = tiny_model_dirs["qwen3"]  # GQA 2:1 with head_dim 32
+    path = tiny_model_dirs[arch]
     kw = dict(kv_cache_dtype=kv, kv_cache_memory="2MiB", max_model_len=128, max_num_batched_tokens=24,
               device=DEVICE)
     tri, ref = LLM(path, attention_backend="triton", **kw), LLM(path, attention_backend="torch", **kw)

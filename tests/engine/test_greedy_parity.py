@@ -157,8 +157,8 @@ def test_same_engine_reused_gives_same_tokens(case):
 
 @pytest.mark.parametrize("kv", ["float32", "int8", "fp8"])
 def test_soft_capped_attention_is_the_same_on_the_cpu_kernel_and_the_portable_path(tiny_model_dirs, kv):
-    """Gemma-2's scores are soft-capped in the C++ decode kernel (auto picks it on the CPU) as on the portable
-    path, over a quantized cache too: the same greedy tokens; in float32 transformers' own."""
+    """Gemma-2's scores are soft-capped in the C++ decode kernel as on the portable path, over a quantized cache
+    too: the same greedy tokens; in float32 transformers' own (the Triton kernels: test_triton_attention.py)."""
     path = tiny_model_dirs["gemma2"]
     prompts, max_tokens = _workload(seed=3)
     prompts, max_tokens = prompts[:6], max_tokens[:6]
@@ -171,7 +171,4 @@ def test_soft_capped_attention_is_the_same_on_the_cpu_kernel_and_the_portable_pa
     if kv == "float32":
         model = hf_model(path)
         assert runs["cpu"] == [hf_greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
-    auto = LLM(path, kv_cache_memory="8MiB")
-    assert auto.engine.backend == "cpu"
-    with pytest.raises(ValueError, match="soft-cap"):
-        LLM(path, kv_cache_memory="8MiB", attention_backend="triton")
+    assert LLM(path, kv_cache_memory="8MiB").engine.backend == "cpu"  # auto: the kernel, soft cap and all
