@@ -28,7 +28,8 @@ from kvcache.engine.sampler import SamplingRow, sample
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.sequence import Sequence
-from kvcache.engine.sizing import kv_capacity, resolve_device_dtype, slow_half_precision
+from kvcache.engine.sizing import (kv_capacity, release_window, resolve_device_dtype, slow_half_precision,
+                                   why_every_block_is_kept)
 from kvcache.engine.stop_checker import StopChecker
 from kvcache.memory.block_pool import OutOfBlocksError
 from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
@@ -89,9 +90,8 @@ class LLMEngine:
         if self.kv_dtype == "auto":
             self.kv_dtype = str(self.dtype).removeprefix("torch.")
         check_kv_format(self.shape, self.kv_dtype, config.block_size)  # before anything is loaded
-        windows = layer_windows(hf)
-        self._sliding = any(w is not None for w in windows)
-        self.release_window = release_window(windows, config)
+        self._sliding = any(w is not None for w in layer_windows(hf))
+        self.release_window = release_window(self.shape, config)
         self._kivi_group = KV_DTYPES[self.kv_dtype].group if KV_DTYPES[self.kv_dtype].scales == "kivi" else 0
         if config.eviction.enabled:
             self._check_eviction(config.eviction)
@@ -119,7 +119,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.offload)
         if self._sliding:
             log.info("sliding window: %s", f"blocks older than {self.release_window:,} tokens are given back as "
-                     "sequences advance" if self.release_window else _why_no_release(windows, config))
+                     "sequences advance" if self.release_window else why_every_block_is_kept(self.shape))
         if self.backend == "triton" and hasattr(self.store, "raw"):
             from kvcache.attention.triton_attention import write_quantized
             self.store.fused_write = write_quantized
@@ -660,21 +660,3 @@ class LLMEngine:
         if kv.block_tables or held != tree or kv.num_free_blocks != pool.num_usable:
             raise AssertionError(f"{held - tree} block references still held with no request running "
                                  f"({len(kv.block_tables)} block tables, {tree} blocks in the radix tree)")
-
-
-def release_window(windows: list[int | None], config: EngineConfig) -> int | None:
-    """The window whose out-of-window blocks the engine gives back, where it can: every layer slides with that one
-    window (one block table serves all layers, so one full-attention layer keeps every block) and the prefix cache
-    is not the radix tree's (which holds its blocks under the sequence's lock). None otherwise."""
-    if not windows or None in windows or len(set(windows)) != 1:
-        return None
-    if config.enable_prefix_caching and config.prefix_caching_algo == "radix":
-        return None
-    return windows[0]
-
-
-def _why_no_release(windows: list[int | None], config: EngineConfig) -> str:
-    if None in windows or len(set(windows)) != 1:
-        return ("every block is kept: its layers do not all slide with one window, and one block table serves "
-                "every layer")
-    return "every block is kept: the radix prefix cache holds its blocks (use --prefix-caching-algo hash to free them)"

@@ -26,7 +26,7 @@ from kvcache.engine.sampler import SamplingRow, sample
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.models.llama import LlamaModel
 from kvcache.plan.capacity import device_budget
-from kvcache.plan.kv_bytes import CacheCapacity, cache_capacity, kv_bytes_per_token
+from kvcache.plan.kv_bytes import CacheCapacity, cache_capacity, kv_bytes_per_token, paged_window
 from kvcache.plan.shape import ModelShape
 from kvcache.store.kv_store import KVStore
 
@@ -145,8 +145,8 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
         return 0 if backend != "torch" else portable_attention_bytes(config, shape, max_model_len, compute_bytes,
                                                                      budget // per_token)
     budget = kv_budget(config, device, model, portable)
-    radix = config.enable_prefix_caching and config.prefix_caching_algo == "radix"  # keeps out-of-window blocks
-    capacity = cache_capacity(shape, kv_dtype, budget.bytes, config.block_size, max_model_len, release=not radix)
+    capacity = cache_capacity(shape, kv_dtype, budget.bytes, config.block_size, max_model_len,
+                              release=release_window(shape, config) is not None)
     one_request = -(-max_model_len // config.block_size) + capacity.seq_blocks
     if budget.derived and capacity.num_blocks < one_request:
         raise ValueError(f"the KV cache this device leaves ({budget}) holds {capacity.num_blocks:,} blocks, fewer than "
@@ -154,6 +154,23 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
                          "--max-model-len, or give --kv-cache-memory"
                          + (" or raise --gpu-memory-utilization" if device.type == "cuda" else ""))
     return budget, capacity
+
+
+def release_window(shape: ModelShape, config: EngineConfig) -> int | None:
+    """The window whose out-of-window blocks the engine gives back: the planner's paged_window (every layer slides
+    with that one window; one block table serves all layers, so a full-attention layer keeps every block), unless
+    the prefix cache is the radix tree's, which holds its blocks under the sequence's lock. None: every block kept."""
+    if config.enable_prefix_caching and config.prefix_caching_algo == "radix":
+        return None
+    return paged_window(shape)
+
+
+def why_every_block_is_kept(shape: ModelShape) -> str:
+    """The start-up's line for a sliding-window model whose blocks release_window keeps."""
+    if paged_window(shape) is None:
+        return ("every block is kept: its layers do not all slide with one window, and one block table serves "
+                "every layer")
+    return "every block is kept: the radix prefix cache holds its blocks (use --prefix-caching-algo hash to free them)"
 
 
 def profile_forward(model: LlamaModel, config: EngineConfig, device: torch.device) -> int | None:

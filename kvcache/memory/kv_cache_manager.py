@@ -229,12 +229,15 @@ class KVCacheManager:
                 tokens = tuple(token_ids[i * bs:(i + 1) * bs])
                 # Blocks before i are the cached ones by now, so the parent is our own table's, or, given back by
                 # release_leading, the block its hash still finds (none: the chain is broken, cache no more)
-                prev = table[i - 1] if i and table[i - 1] != BlockPool.NULL_BLOCK else (
-                    self.pool.lookup(hashes[i - 1]) if i else None)
-                if i and prev is None:
-                    full = i
-                    break
-                parent = (prev, self.pool.generation[prev]) if i else None
+                parent = None
+                if i:
+                    prev = table[i - 1]
+                    if prev == BlockPool.NULL_BLOCK:
+                        prev = self.pool.lookup(hashes[i - 1])
+                        if prev is None:
+                            full = i
+                            break
+                    parent = (prev, self.pool.generation[prev])
                 key = BlockKey(hashes[i], tokens, entry.extra, parent)
                 other = self.pool.lookup(hashes[i])
                 if other is None:

@@ -121,7 +121,7 @@ class Gemma2Model(LlamaModel):
     def _norm_weights(self) -> list[nn.Parameter]:
         return [self.norm] + [p for layer in self.layers for p in layer.norm_weights()]
 
-    def keep_scale_dtypes(self) -> Gemma3Model:
+    def keep_scale_dtypes(self) -> Gemma2Model:
         """Also keep every norm weight in float32 (Gemma computes its norms in float32, 1 + w included)."""
         super().keep_scale_dtypes()
         self._compute_dtype = self._compute_dtype or self.norm.dtype
@@ -141,11 +141,6 @@ class Gemma2Model(LlamaModel):
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(h, self.norm, self.config.rms_norm_eps)
-
-    @property
-    def attention_softcap(self) -> float | None:
-        """The attention scores' soft cap (Gemma-2), which the attention backend must compute."""
-        return self.layers[0].softcap
 
 
 class Gemma3Model(Gemma2Model):
