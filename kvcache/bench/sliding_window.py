@@ -44,11 +44,10 @@ def _config(shape: str, window: int, max_len: int):
     return Gemma3TextConfig(num_hidden_layers=6, query_pre_attn_scalar=32, **common)  # layers 0-4 local, 5 global
 
 
-def _engine(path: str, args, num_blocks: int | None, release: bool, max_len: int):
+def _engine(path: str, args, per_block: int, num_blocks: int, release: bool, max_len: int):
+    """An engine of `num_blocks` blocks (`per_block` bytes each) on `path`, with or without blocks given back."""
     from kvcache.engine.llm import LLM
-    probe = LLM(path, kv_cache_memory="1MiB", block_size=args.block_size, max_model_len=max_len)
-    per_block = probe.kv_cache_info()["bytes_per_token"] * args.block_size
-    llm = LLM(path, kv_cache_memory=(num_blocks or 4096) * per_block, block_size=args.block_size,
+    llm = LLM(path, kv_cache_memory=num_blocks * per_block, block_size=args.block_size,
               max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256)
     if not release:
         llm.engine.release_window = None  # the baseline: one table keeping every block
@@ -95,29 +94,26 @@ def _concurrency(llm, n: int, length: int, prompt_len: int) -> dict:
 
 def _shape(shape: str, args, root: str) -> dict:
     from kvcache.models.random_checkpoint import save_random_checkpoint
+    from kvcache.plan.kv_bytes import cache_capacity, kv_bytes_per_token
+    from kvcache.plan.model_source import load_model_shape
     lengths = [int(x) for x in args.lengths.split(",")]
     long = 8 * args.window
     max_len = max(lengths + [long]) + 1
     path = save_random_checkpoint(os.path.join(root, shape), _config(shape, args.window, max_len))
+    model_shape = load_model_shape(path)
+    per_block = kv_bytes_per_token(model_shape, "float32") * args.block_size
     prompt_len = min(32, min(lengths) - 1)
     rows = []
     for length in lengths:
-        row = {"length": length, "all_blocks": blocks_for(length, args.block_size)}
-        for release in (True, False):
-            llm = _engine(path, args, None, release, max_len)
-            key = "given_back" if release else "one_table"
-            row[key] = _peak_per_request(llm, length, prompt_len)
-            if release:
-                from kvcache.plan.kv_bytes import cache_capacity
-                from kvcache.plan.model_source import load_model_shape
-                c = cache_capacity(load_model_shape(path), "float32", 2**30, args.block_size, length)
-                row["planner"] = round(c.num_blocks / c.max_concurrency)
+        c = cache_capacity(model_shape, "float32", 2**30, args.block_size, length)
+        row = {"length": length, "all_blocks": blocks_for(length, args.block_size),
+               "planner": round(c.num_blocks / c.max_concurrency)}
+        for release, key in ((True, "given_back"), (False, "one_table")):
+            row[key] = _peak_per_request(_engine(path, args, per_block, 4096, release, max_len), length, prompt_len)
         rows.append(row)
     pool = 4 * blocks_for(long, args.block_size)
-    runs = {}
-    for release in (True, False):
-        runs["given_back" if release else "one_table"] = _concurrency(_engine(path, args, pool, release, max_len),
-                                                                      args.requests, long, 64)
+    runs = {key: _concurrency(_engine(path, args, per_block, pool, release, max_len), args.requests, long, 64)
+            for release, key in ((True, "given_back"), (False, "one_table"))}
     same = runs["given_back"]["tokens"] == runs["one_table"]["tokens"]
     for r in runs.values():
         del r["tokens"]
