@@ -6,8 +6,8 @@ import os
 
 import torch
 from kvcache.models.random_checkpoint import save_random_checkpoint
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig,
+                          LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -35,6 +35,23 @@ TINY_ARCHS = {
                                   "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                                       "full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
                                   "final_logit_softcapping": 8.0}),
+    # MLA (latent 32 + rope 16), a dense first layer then MoE: DeepSeek-V2-Lite's shape (no q compression),
+    # softmax routing limited to the best 2 of 4 expert groups, two shared experts
+    "deepseek_v2": (DeepseekV2Config, {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None,
+                                       "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                                       "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+                                       "topk_method": "group_limited_greedy", "n_shared_experts": 2,
+                                       "moe_intermediate_size": 64, "first_k_dense_replace": 1,
+                                       "routed_scaling_factor": 1.5}),
+    # V3: q compression, sigmoid routing with the score bias over groups, normalised weights, YaRN RoPE whose
+    # mscale_all_dim scales the softmax
+    "deepseek_v3": (DeepseekV3Config, {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 64,
+                                       "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                                       "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+                                       "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
+                                       "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
+                                                        "beta_fast": 32, "beta_slow": 1}}),
 }
 
 

@@ -33,7 +33,7 @@ class Workspace:
         return buf[:n].view(shape)
 
 
-def _gather(store, layer: int, block_ids: torch.Tensor, ws: Workspace, like: torch.Tensor
+def gather_blocks(store, layer: int, block_ids: torch.Tensor, ws: Workspace, like: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of `block_ids` in the compute dtype: into reused buffers for an exact store, freshly
     dequantized (or widened) otherwise."""
@@ -45,8 +45,9 @@ def _gather(store, layer: int, block_ids: torch.Tensor, ws: Workspace, like: tor
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, layer: int, batch: ForwardBatch,
                     scale: float, window: int | None, ws: Workspace, key_src: torch.Tensor | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
-    """Attention output [T, H, D] for queries q [T, H, D] over layer `layer` of `store`.
+                    softcap: float | None = None, prefills: list | None = None) -> torch.Tensor:
+    """Attention output [T, H, D] for queries q [T, H, D] over layer `layer` of `store`: of every decode row and
+    of the prefill chunks `prefills` (default: all the batch's; rows of the others are left unwritten).
 
     k, v [T, KVH, D] are this step's new keys/values, already written to the store (a KVStore or a
     QuantizedKVStore); GQA/MQA share each KV head across H / KVH query heads. Blocks are read
@@ -84,7 +85,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
         mask = g.masks[window]
         if g.layer_views:  # eviction left some layers' leading blocks dead: lengths differ per layer
             mask = (torch.arange(L, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-        kg, vg = _gather(store, layer, table.flatten(), ws, k)
+        kg, vg = gather_blocks(store, layer, table.flatten(), ws, k)
         kg, vg = kg.view(B, L, kvh, D), vg.view(B, L, kvh, D)
         if g.overlay is not None:
             b, pos, rows = g.overlay
@@ -93,7 +94,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
         o = _attend(qg, kg.transpose(1, 2), vg.transpose(1, 2), mask, scale, softcap)
         out.index_copy_(0, g.rows, o.squeeze(2))
     q_rows = None  # q as the Triton prefill kernel indexes it, [T, H, D] contiguous (q is a view of q/k/v)
-    for p in batch.prefills:
+    for p in batch.prefills if prefills is None else prefills:
         if batch.backend == "triton" and p.block_ids is not None:
             q_rows = q.contiguous() if q_rows is None else q_rows
             triton_attention().paged_prefill(out, q_rows, store, layer, p.block_ids, p.start, p.length, p.context_len,
@@ -104,7 +105,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
             ks = k[p.start:p.start + p.length]
             vs = v[p.start:p.start + p.length]
         else:
-            ks, vs = _gather(store, layer, p.block_ids, ws, k)
+            ks, vs = gather_blocks(store, layer, p.block_ids, ws, k)
             ks, vs = ks.flatten(0, 1), vs.flatten(0, 1)
             if p.full_src is not None:
                 ks = torch.cat([ks, src.index_select(0, p.full_src)])

@@ -297,7 +297,7 @@ def write_quantized(store, layer: int, slot_mapping: torch.Tensor, k: torch.Tens
     kd, vd, ks, vs = store.offsets[:4]
     fp8 = store.dtype.startswith("fp8")
     qmax = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}.get(store.dtype, 127.0)
-    for x, data, sc in ((k, kd, ks), (v, vd, vs)):
+    for x, data, sc in ((k, kd, ks),) if store.latent else ((k, kd, ks), (v, vd, vs)):  # a latent: V is K
         _write_quant_kernel[(T, KVH)](x.contiguous(), slot_mapping, raw, raw.view(torch.float16), store.row_bytes, data,
                                       sc // 2, qmax, KVH=KVH, D=D, BS=store.block_size, BLOCK_D=_pow2(D), FP8=fp8,
                                       FP8_E5M2=store.dtype == "fp8_e5m2")

@@ -90,6 +90,11 @@ class LLMEngine:
         if self.kv_dtype == "auto":
             self.kv_dtype = str(self.dtype).removeprefix("torch.")
         check_kv_format(self.shape, self.kv_dtype, config.block_size)  # before anything is loaded
+        self._mla = "mla" in self.shape.layer_kinds
+        if self._mla and KV_DTYPES[self.kv_dtype].scales == "kivi":
+            raise ValueError(f"kv_cache_dtype {self.kv_dtype} (KIVI) quantizes keys per channel over 64-token groups "
+                             "and values per token; an MLA latent is both at once: use fp8 or int8 (one scale per "
+                             "token for the latent and its RoPE key)")
         self._sliding = any(w is not None for w in layer_windows(hf))
         self.release_window = release_window(self.shape, config)
         self._kivi_group = KV_DTYPES[self.kv_dtype].group if KV_DTYPES[self.kv_dtype].scales == "kivi" else 0
@@ -111,9 +116,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size,
                                  config.prefix_caching_algo if config.enable_prefix_caching else None,
                                  seq_blocks=self.capacity.seq_blocks, events=self.kv_events)
-        self.store = make_store(self.shape.num_layers, self.capacity.num_blocks + 1, config.block_size,
-                                self.shape.num_kv_heads, self.shape.head_dim, self.kv_dtype, self.dtype, self.device,
-                                self.capacity.bytes_per_token)
+        kv_heads, head_dim, latent = self.model.kv_layout
+        self.store = make_store(self.shape.num_layers, self.capacity.num_blocks + 1, config.block_size, kv_heads,
+                                head_dim, self.kv_dtype, self.dtype, self.device, self.capacity.bytes_per_token, latent)
         self.offload = make_offloader(tiers, self.store, loaded.source, self.kv_events, compute=str(self.dtype), kv=self.kv_dtype,
                                       block_size=config.block_size, quantization=config.quantization)
         self.scheduler = Scheduler(config, self.kv, self.offload)
@@ -162,6 +167,9 @@ class LLMEngine:
         if self._sliding:
             raise ValueError(f"kv_eviction {spec.policy} is not supported on models with sliding-window layers: "
                              "their masks count positions, and eviction changes which slot holds which position")
+        if self._mla:
+            raise ValueError(f"kv_eviction {spec.policy} is not supported on MLA models: its scores are per KV head, "
+                             "and an MLA latent is shared by every head (the heads' attention is not what it ranks)")
         if self._kivi_group:
             raise ValueError(f"kv_eviction {spec.policy} cannot be combined with kv_cache_dtype {self.kv_dtype}: it "
                              f"quantizes keys in {self._kivi_group}-token groups, so tokens cannot be dropped one "

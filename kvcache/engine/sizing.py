@@ -127,7 +127,9 @@ def portable_attention_bytes(config: EngineConfig, shape: ModelShape, max_model_
     """What the torch attention path allocates beyond the profile step (a fresh prefill): decode rows gathered into
     padded K/V buffers (up to max_num_seqs sequences of max_model_len tokens, never more than the pool holds), and a
     chunk over a cached prefix attended under a mask (SDPA's math kernel keeps its scores and their softmax)."""
-    gathered = min(config.max_num_seqs * max_model_len, pool_tokens) * shape.num_kv_heads * shape.head_dim * 2
+    per_token = shape.kv_lora_rank + shape.qk_rope_head_dim if "mla" in shape.layer_kinds else \
+        shape.num_kv_heads * shape.head_dim * 2  # an MLA latent is gathered once, read as K and V
+    gathered = min(config.max_num_seqs * max_model_len, pool_tokens) * per_token
     chunk = min(config.max_num_batched_tokens, max_model_len)
     scores = 2 * shape.num_attention_heads * chunk * max_model_len
     return (gathered + scores) * compute_bytes
@@ -182,7 +184,8 @@ def profile_forward(model: LlamaModel, config: EngineConfig, device: torch.devic
     block = config.block_size
     cuda = device.type == "cuda"
     # Two blocks: the null block and one that every token's slot wraps into (their K/V are never read back).
-    store = KVStore(cfg.num_hidden_layers, 2, block, cfg.num_key_value_heads, model.layers[0].head_dim, dtype, device)
+    kv_heads, head_dim, latent = model.kv_layout
+    store = KVStore(cfg.num_hidden_layers, 2, block, kv_heads, head_dim, dtype, device, latent=latent)
     tokens = config.max_num_batched_tokens
     rows = min(config.max_num_seqs, tokens)
     longest = min(tokens, model.max_positions)  # prompts of at most max_model_len tokens share the step

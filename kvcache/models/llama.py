@@ -6,6 +6,7 @@ gate/up into one) so that each layer runs two large GEMMs instead of five small 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,11 +50,9 @@ def layer_windows(cfg: PretrainedConfig) -> list[int | None]:
     return [None] * n
 
 
-def check_int4_shapes(cfg: PretrainedConfig) -> None:
-    """int4's kernel packs INT4_UNIT (64) inputs at a time: every linear layer's input size must be a multiple."""
-    d, hd = cfg.hidden_size, head_dim_of(cfg)
-    sizes = {"hidden_size": d, "num_attention_heads x head_dim": cfg.num_attention_heads * hd,
-             "intermediate_size": cfg.intermediate_size}
+def check_int4_sizes(sizes: dict[str, int]) -> None:
+    """int4's kernel packs INT4_UNIT (64) inputs at a time: every linear layer's input size (named in `sizes`, from
+    the config) must be a multiple."""
     bad = [f"{k} {v}" for k, v in sizes.items() if v % INT4_UNIT]
     if bad:
         raise ValueError(f"quantization int4 needs layer input sizes that are multiples of {INT4_UNIT}; this model "
@@ -312,7 +311,7 @@ class LlamaModel(nn.Module):
         self.config = cfg
         linear = {"none": Dense, "int8": Int8Dense, "int4": Int4Dense}[quantization]
         if quantization == "int4":
-            check_int4_shapes(cfg)
+            check_int4_sizes(self.int4_input_sizes(cfg))
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         # The head keeps its weight [hidden, vocab] (the layout its GEMM wants); tied embeddings are that same
         # tensor, looked up by column, so they are stored once.
@@ -328,7 +327,14 @@ class LlamaModel(nn.Module):
         self.max_positions = max_positions
         self.rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # a layer's rope_key -> (cos, sin)
         self.final_softcap: float | None = None  # logits = c * tanh(logits / c) where set (Gemma)
+        self.rope_dtype: torch.dtype | None = None  # the dtype RoPE's cos/sin are cast to per step (None: compute's)
         self.workspace = Workspace()
+
+    @staticmethod
+    def int4_input_sizes(cfg: PretrainedConfig) -> dict[str, int]:
+        """The config's sizes that are linear layers' inputs (int4 needs multiples of 64)."""
+        return {"hidden_size": cfg.hidden_size, "num_attention_heads x head_dim": cfg.num_attention_heads * head_dim_of(cfg),
+                "intermediate_size": cfg.intermediate_size}
 
     def init_rope(self, device: str | torch.device = "cpu") -> None:
         """Build the RoPE cos/sin tables for positions [0, max_positions) (kept in fp32), and pick the fused CPU
@@ -343,6 +349,12 @@ class LlamaModel(nn.Module):
                 m.pack(keep_dense=m is self.lm_head and self.tied)
         for layer in self.layers:
             layer.fuse(kernels)
+
+    @property
+    def kv_layout(self) -> tuple[int, int, bool]:
+        """(KV heads, head_dim, latent) of the store this model writes: K and V per KV head here; one latent read as
+        both (MLA) where `latent`."""
+        return self.layers[0].num_kv_heads, self.layers[0].head_dim, False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -373,7 +385,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, store: KVStore | QuantizedKVStore) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        rope = {key: tuple(t.index_select(0, batch.positions).unsqueeze(1).to(x.dtype) for t in tables)
+        rope = {key: tuple(t.index_select(0, batch.positions).unsqueeze(1).to(self.rope_dtype or x.dtype) for t in tables)
                 for key, tables in self.rope.items()}
         residual = None
         for layer in self.layers:
@@ -392,75 +404,95 @@ class LlamaModel(nn.Module):
         """Copy the checkpoint's Hugging Face-named tensors into the parameters (allocated, in their dtype and on
         their device), chunk by chunk, fusing q/k/v and gate/up as they land. Raises KeyError on a missing tensor
         or one this model does not use."""
-        names = set(source.names())
-        used: set[str] = set()
-
-        def expect(name: str, shape: tuple[int, ...]) -> None:
-            if name not in names:
-                raise KeyError(f"checkpoint has no tensor {name!r}")
-            if source.shape(name) != shape:
-                raise KeyError(f"tensor {name!r} has shape {list(source.shape(name))}, this model needs {list(shape)}")
-            used.add(name)
-
-        def put(dst: torch.Tensor, name: str) -> None:
-            """dst <- tensor `name` (an embedding, a norm, a bias), a chunk of rows at a time."""
-            expect(name, tuple(dst.shape))
-            for start, rows in source.chunks(name):
-                dst[start:start + rows.shape[0]].copy_(rows)
-
-        def put_linear(dense, name: str, at: int = 0, rows: int | None = None) -> None:
-            """Hugging Face weight `name` ([rows, in]) into output channels at .. at + rows of a Dense/Int8Dense."""
-            expect(name, (rows or dense.out_features, dense.in_features))
-            for start, chunk in source.chunks(name):
-                dense.load_rows(at + start, chunk)
-
-        def put_fused(dense: Dense, parts: list[str], bias_parts: list[str] | None, split: list[int]) -> None:
-            """Hugging Face's separate projections `parts` ([split[i], in] each), side by side in the columns of one
-            fused Dense."""
-            missing = [n for n in parts if n not in names]
-            if missing:
-                raise KeyError(f"checkpoint has no tensor {missing[0]!r}")
-            rows = [source.shape(n)[0] for n in parts]
-            if rows != split:
-                raise KeyError(f"{', '.join(parts)} have {' + '.join(map(str, rows))} rows, this model needs "
-                               f"{' + '.join(map(str, split))}")
-            at = 0
-            for i, (name, n) in enumerate(zip(parts, rows)):
-                put_linear(dense, name, at, n)
-                if bias_parts:
-                    put(dense.bias[at:at + n], bias_parts[i])
-                at += n
-
+        ck = CheckpointReader(source)
         with torch.no_grad():
-            if self.tied:
-                head = "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"
-                put_linear(self.lm_head, head)
-                used.update({"lm_head.weight", "model.embed_tokens.weight"} & names)
-            else:
-                put(self.embed.weight, "model.embed_tokens.weight")
-                put_linear(self.lm_head, "lm_head.weight")
-            put(self.norm, "model.norm.weight")
+            self._load_embeddings(ck)
             for i, layer in enumerate(self.layers):
                 a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
                 q_rows, kv_rows = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-                put_fused(layer.qkv, [a + f"{n}_proj.weight" for n in "qkv"],
-                          [a + f"{n}_proj.bias" for n in "qkv"] if layer.qkv.bias is not None else None,
-                          [q_rows, kv_rows, kv_rows])
-                put_linear(layer.o_proj, a + "o_proj.weight")
+                ck.put_fused(layer.qkv, [a + f"{n}_proj.weight" for n in "qkv"],
+                             [a + f"{n}_proj.bias" for n in "qkv"] if layer.qkv.bias is not None else None,
+                             [q_rows, kv_rows, kv_rows])
+                ck.put_linear(layer.o_proj, a + "o_proj.weight")
                 if layer.o_proj.bias is not None:
-                    put(layer.o_proj.bias, a + "o_proj.bias")
-                mlp_bias = layer.gate_up.bias is not None
-                inter = layer.gate_up.out_features // 2
-                put_fused(layer.gate_up, [m + "gate_proj.weight", m + "up_proj.weight"],
-                          [m + "gate_proj.bias", m + "up_proj.bias"] if mlp_bias else None, [inter, inter])
-                put_linear(layer.down, m + "down_proj.weight")
-                if mlp_bias:
-                    put(layer.down.bias, m + "down_proj.bias")
+                    ck.put(layer.o_proj.bias, a + "o_proj.bias")
+                ck.put_mlp(layer.gate_up, layer.down, m)
                 for param, name in layer.NORMS.items():
-                    put(getattr(layer, param), f"model.layers.{i}.{name}.weight")
+                    ck.put(getattr(layer, param), f"model.layers.{i}.{name}.weight")
                 if layer.qk_norm:
-                    put(layer.q_norm, a + "q_norm.weight")
-                    put(layer.k_norm, a + "k_norm.weight")
-        leftover = sorted(n for n in names - used if "rotary_emb" not in n)
+                    ck.put(layer.q_norm, a + "q_norm.weight")
+                    ck.put(layer.k_norm, a + "k_norm.weight")
+        ck.check_all_used()
+
+    def _load_embeddings(self, ck: CheckpointReader) -> None:
+        """The embedding (or the tied head that serves it), the LM head and the final norm."""
+        if self.tied:
+            head = "lm_head.weight" if "lm_head.weight" in ck.names else "model.embed_tokens.weight"
+            ck.put_linear(self.lm_head, head)
+            ck.used.update({"lm_head.weight", "model.embed_tokens.weight"} & ck.names)
+        else:
+            ck.put(self.embed.weight, "model.embed_tokens.weight")
+            ck.put_linear(self.lm_head, "lm_head.weight")
+        ck.put(self.norm, "model.norm.weight")
+
+
+class CheckpointReader:
+    """Copies a checkpoint's Hugging Face-named tensors into a model's parameters, chunk by chunk, checking each
+    name and shape, and remembers which it used (check_all_used: a tensor the model does not read is an error).
+    KeyError names the tensor."""
+
+    def __init__(self, source: WeightSource) -> None:
+        self.source = source
+        self.names = set(source.names())
+        self.used: set[str] = set()
+
+    def expect(self, name: str, shape: tuple[int, ...]) -> None:
+        if name not in self.names:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        if self.source.shape(name) != shape:
+            raise KeyError(f"tensor {name!r} has shape {list(self.source.shape(name))}, this model needs {list(shape)}")
+        self.used.add(name)
+
+    def put(self, dst: torch.Tensor, name: str) -> None:
+        """dst <- tensor `name` (an embedding, a norm, a bias), a chunk of rows at a time."""
+        self.expect(name, tuple(dst.shape))
+        for start, rows in self.source.chunks(name):
+            dst[start:start + rows.shape[0]].copy_(rows)
+
+    def put_linear(self, dense, name: str, at: int = 0, rows: int | None = None) -> None:
+        """Hugging Face weight `name` ([rows, in]) into output channels at .. at + rows of a Dense/Int8Dense."""
+        self.expect(name, (rows or dense.out_features, dense.in_features))
+        for start, chunk in self.source.chunks(name):
+            dense.load_rows(at + start, chunk)
+
+    def put_fused(self, dense, parts: list[str], bias_parts: list[str] | None, split: list[int]) -> None:
+        """Hugging Face's separate projections `parts` ([split[i], in] each), side by side in the columns of one
+        fused Dense."""
+        missing = [n for n in parts if n not in self.names]
+        if missing:
+            raise KeyError(f"checkpoint has no tensor {missing[0]!r}")
+        rows = [self.source.shape(n)[0] for n in parts]
+        if rows != split:
+            raise KeyError(f"{', '.join(parts)} have {' + '.join(map(str, rows))} rows, this model needs "
+                           f"{' + '.join(map(str, split))}")
+        at = 0
+        for i, (name, n) in enumerate(zip(parts, rows)):
+            self.put_linear(dense, name, at, n)
+            if bias_parts:
+                self.put(dense.bias[at:at + n], bias_parts[i])
+            at += n
+
+    def put_mlp(self, gate_up, down, prefix: str) -> None:
+        """A gated MLP's gate_proj and up_proj (fused into `gate_up`) and down_proj, biases too where it has them."""
+        bias = gate_up.bias is not None
+        inter = gate_up.out_features // 2
+        self.put_fused(gate_up, [prefix + "gate_proj.weight", prefix + "up_proj.weight"],
+                       [prefix + "gate_proj.bias", prefix + "up_proj.bias"] if bias else None, [inter, inter])
+        self.put_linear(down, prefix + "down_proj.weight")
+        if bias:
+            self.put(down.bias, prefix + "down_proj.bias")
+
+    def check_all_used(self, ignore: Callable[[str], bool] = lambda name: False) -> None:
+        leftover = sorted(n for n in self.names - self.used if "rotary_emb" not in n and not ignore(n))
         if leftover:
             raise KeyError(f"checkpoint has {len(leftover)} tensors this model does not use, e.g. {leftover[:3]}")

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from kvcache.models.deepseek import DeepseekModel
+from kvcache.models.deepseek import check_config as check_deepseek_config
 from kvcache.models.gemma import Gemma2Model, Gemma3Model
 from kvcache.models.gemma import check_config as check_gemma_config
 from kvcache.models.llama import LlamaModel, layer_windows
@@ -20,7 +22,8 @@ __all__ = ["LoadedModel", "ModelLoadError", "build_model", "demo_model_path", "r
 # model_type -> the decoder that runs it
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {**{a: LlamaModel for a in LlamaModel.ARCHITECTURES},
                                               **{a: Gemma2Model for a in Gemma2Model.ARCHITECTURES},
-                                              **{a: Gemma3Model for a in Gemma3Model.ARCHITECTURES}}
+                                              **{a: Gemma3Model for a in Gemma3Model.ARCHITECTURES},
+                                              **{a: DeepseekModel for a in DeepseekModel.ARCHITECTURES}}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
 
@@ -113,6 +116,8 @@ def _check_arch(config: PretrainedConfig, path: str) -> None:
         layer_windows(config)
         if MODEL_CLASSES[config.model_type] in (Gemma2Model, Gemma3Model):
             check_gemma_config(config)
+        if MODEL_CLASSES[config.model_type] is DeepseekModel:
+            check_deepseek_config(config)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
 

@@ -27,7 +27,8 @@ def write_tokenizer(directory: str, vocab_size: int) -> None:
 
 def save_random_checkpoint(directory: str, cfg: PretrainedConfig, seed: int = 0) -> str:
     """Save a model of `cfg` with random weights in `directory`. transformers initialises norms to 1 (Gemma's,
-    which scale by 1 + w, to 0) and biases to 0: they are drawn around those values instead, so that they count."""
+    which scale by 1 + w, to 0) and biases to 0 (DeepSeek-V3's expert score bias too): they are drawn around those
+    values instead, so that they count."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     unit = 0.0 if cfg.model_type.startswith("gemma") else 1.0
@@ -37,6 +38,9 @@ def save_random_checkpoint(directory: str, cfg: PretrainedConfig, seed: int = 0)
                 p.copy_(unit + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias (a buffer, zero at init)
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory)
     write_tokenizer(directory, cfg.vocab_size)
     return directory

@@ -15,14 +15,18 @@ class KVStore:
     Slot `s` is token offset `s % block_size` of block `s // block_size`. New K/V go in
     through a slot mapping; attention reads whole blocks through block tables. When the storage
     dtype is narrower than the compute dtype (float16 storage, float32 compute) reads widen it.
+
+    A `latent` store (MLA) keeps one tensor per layer: V is K (`self.v[i] is self.k[i]`), so attention reads the
+    latent as both and it is stored, counted and moved once.
     """
 
     kivi_group = 0  # no key residual: see QuantizedKVStore
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, latent: bool = False) -> None:
         self.block_size = block_size
+        self.latent = latent
         self.num_blocks = num_blocks
         self.compute_dtype = compute_dtype or dtype
         # Reads return exactly what attention computed: prefill may attend to its fresh K/V directly.
@@ -30,17 +34,17 @@ class KVStore:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: the null block pads block tables and must hold finite values.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = self.k if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.block_tensors())
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan=None) -> None:
         """Store k, v ([tokens, kv_heads, head_dim]) at the slots `slot_mapping` ([tokens], int64)."""
-        kc, vc = self.k[layer], self.v[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k if k.dtype == kc.dtype else k.to(kc.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v if v.dtype == vc.dtype else v.to(vc.dtype))
+        pairs = ((self.k[layer], k),) if self.latent else ((self.k[layer], k), (self.v[layer], v))
+        for cache, x in pairs:
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x if x.dtype == cache.dtype else x.to(cache.dtype))
         return None
 
     def native_write(self, layer: int, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,23 +59,25 @@ class KVStore:
         fresh copies."""
         k, v = self.k[layer], self.v[layer]
         if self.exact:
-            return torch.index_select(k, 0, block_ids, out=out_k), torch.index_select(v, 0, block_ids, out=out_v)
-        return k.index_select(0, block_ids).to(self.compute_dtype), v.index_select(0, block_ids).to(self.compute_dtype)
+            kg = torch.index_select(k, 0, block_ids, out=out_k)
+            return kg, kg if self.latent else torch.index_select(v, 0, block_ids, out=out_v)
+        kg = k.index_select(0, block_ids).to(self.compute_dtype)
+        return kg, kg if self.latent else v.index_select(0, block_ids).to(self.compute_dtype)
 
     def move_slots(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Per KV head h, slot dst[h, i] takes the K/V of slot src[h, i] ([kv_heads, n] int64 each): eviction's
         compaction. All reads happen before any write, so the ranges may overlap."""
-        move_slots([self.k[layer], self.v[layer]], src, dst, self.block_size)
+        move_slots([self.k[layer]] if self.latent else [self.k[layer], self.v[layer]], src, dst, self.block_size)
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every tensor whose dim 0 is the block: a block's content is its row in each (offload copies them)."""
-        return self.k + self.v
+        return list(self.k) if self.latent else self.k + self.v
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Clear `blocks` in every layer (a failed request's, which may hold NaN)."""
         if blocks:
             idx = torch.tensor(blocks, device=self.k[0].device)
-            for t in self.k + self.v:
+            for t in self.block_tensors():
                 t.index_fill_(0, idx, 0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -80,7 +86,7 @@ class KVStore:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.k[0].device)
         dst = torch.tensor([p[1] for p in pairs], device=self.k[0].device)
-        for t in self.k + self.v:
+        for t in self.block_tensors():
             t.index_copy_(0, dst, t.index_select(0, src))
 
 

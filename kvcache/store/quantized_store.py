@@ -47,16 +47,24 @@ class KiviPlan:
 
 
 class QuantizedKVStore:
-    """KV blocks stored as codes plus fp16 scales (and zero points for int4/int2)."""
+    """KV blocks stored as codes plus fp16 scales (and zero points for int4/int2).
+
+    A `latent` store (MLA, per-token formats only) holds one code vector and one scale per token and layer: the
+    latent and its RoPE key quantized together, one scale for both (the planner's bytes). Its V views are its K
+    views: V's offsets in a row are K's, so the decode kernels read the latent as both."""
 
     exact = False
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: str, device: str | torch.device = "cpu", compute_dtype: torch.dtype = torch.float32,
-                 expected_bytes_per_token: int | None = None) -> None:
+                 expected_bytes_per_token: int | None = None, latent: bool = False) -> None:
         spec = kv_dtype(dtype)
         if spec.scales == "none":
             raise ValueError(f"{dtype} is not a quantized format; use KVStore")
+        if latent and spec.scales == "kivi":
+            raise ValueError(f"{spec.name} (KIVI) quantizes keys per channel over 64-token groups and values per token; "
+                             "an MLA latent is both at once: use an fp8 or int8 cache (one scale per token)")
+        self.latent = latent
         self.dtype, self.block_size, self.num_blocks = spec.name, block_size, num_blocks
         self.num_kv_heads, self.head_dim, self.compute_dtype = num_kv_heads, head_dim, compute_dtype
         self.kivi_group = spec.group if spec.scales == "kivi" else 0
@@ -81,6 +89,8 @@ class QuantizedKVStore:
             self.lut = torch.arange(256, dtype=torch.uint8).view(code).to(device, compute_dtype)  # byte -> value
             parts = {"kd": (code, (bs, h, d)), "vd": (code, (bs, h, d)),
                      "ks": (torch.float16, (bs, h)), "vs": (torch.float16, (bs, h))}
+            if latent:
+                del parts["vd"], parts["vs"]
         sizes = {n: torch.Size(s).numel() * torch.empty(0, dtype=t).element_size() for n, (t, s) in parts.items()}
         self.row_bytes = sum(sizes.values())
         if expected_bytes_per_token is not None and self.row_bytes * num_layers != expected_bytes_per_token * bs:
@@ -91,6 +101,8 @@ class QuantizedKVStore:
         starts = dict(zip(parts, [sum(list(sizes.values())[:i]) for i in range(len(sizes))]))
         self.parts = [{name: raw[:, starts[name]:starts[name] + sizes[name]].view(t).view(num_blocks, *shape)
                        for name, (t, shape) in parts.items()} for raw in self.raw]
+        if latent:
+            starts.update(vd=starts["kd"], vs=starts["ks"])
         # byte offsets of K codes, V codes, K scales, V scales, K zeros, V zeros in a row (the C++ decode kernel's view)
         self.offsets = [starts.get(n, 0) for n in ("kd", "vd", "ks", "vs", "kz", "vz")]
         # The residual's fp16 elements, addressed across a sequence's private blocks.
@@ -116,7 +128,7 @@ class QuantizedKVStore:
             return None
         blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
         if not self.kivi_group:
-            for x, data, scale in ((k, "kd", "ks"), (v, "vd", "vs")):
+            for x, data, scale in ((k, "kd", "ks"),) if self.latent else ((k, "kd", "ks"), (v, "vd", "vs")):
                 q = quantize_per_token(x, self.dtype)
                 p[data][blocks, offsets] = q.data
                 p[scale][blocks, offsets] = q.scale.squeeze(-1)
@@ -155,6 +167,8 @@ class QuantizedKVStore:
         p = {name: t.index_select(0, block_ids) for name, t in self.parts[layer].items()}
         if not self.kivi_group:
             k = p["kd"].to(self.compute_dtype).mul_(p["ks"].unsqueeze(-1))
+            if self.latent:
+                return k, k
             v = p["vd"].to(self.compute_dtype).mul_(p["vs"].unsqueeze(-1))
         else:
             n, g, h, d = block_ids.numel(), self.kivi_group, self.num_kv_heads, self.head_dim
@@ -200,11 +214,17 @@ class QuantizedKVStore:
 
 def make_store(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
                compute_dtype: torch.dtype, device: str | torch.device,
-               expected_bytes_per_token: int | None = None):
-    """The store for `kv_cache_dtype` (a name from plan.kv_bytes.KV_DTYPES)."""
+               expected_bytes_per_token: int | None = None, latent: bool = False):
+    """The store for `kv_cache_dtype` (a name from plan.kv_bytes.KV_DTYPES); `latent`: one tensor per token and layer
+    (MLA), read as both K and V. With `expected_bytes_per_token` (the planner's figure), RuntimeError unless the
+    store's blocks take exactly that."""
     spec = kv_dtype(kv_cache_dtype)
-    if spec.scales == "none":
-        return KVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, getattr(torch, spec.name), device,
-                       compute_dtype)
-    return QuantizedKVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, spec.name, device,
-                            compute_dtype, expected_bytes_per_token)
+    if spec.scales != "none":
+        return QuantizedKVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, spec.name, device,
+                                compute_dtype, expected_bytes_per_token, latent)
+    store = KVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, getattr(torch, spec.name), device,
+                    compute_dtype, latent)
+    if expected_bytes_per_token is not None and store.nbytes != expected_bytes_per_token * block_size * num_blocks:
+        raise RuntimeError(f"the {spec.name} store takes {store.nbytes // (num_blocks * block_size):,} bytes per token; "
+                           f"the planner counts {expected_bytes_per_token:,}")
+    return store

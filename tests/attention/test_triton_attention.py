@@ -151,12 +151,14 @@ def test_the_kernels_leave_no_partial_result_behind_when_splitting():
     torch.testing.assert_close(out[0].float().cpu(), ref.float(), atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("arch, kv", [("qwen3", "auto"), ("qwen3", "int8"), ("llama", "auto"), ("gemma2", "auto")])
+@pytest.mark.parametrize("arch, kv", [("qwen3", "auto"), ("qwen3", "int8"), ("llama", "auto"), ("gemma2", "auto"),
+                                      ("deepseek_v3", "auto"), ("deepseek_v3", "int8")])
 def test_the_engine_on_the_triton_backend_matches_the_torch_backend(tiny_model_dirs, arch, kv):
     """The whole engine through the Triton kernels (decode, prefill over cached prefixes, the quantizing write):
     teacher-forced logits in chunks and greedy tokens of a mixed batch as on the portable path (float32); qwen3:
     GQA 2:1 with head_dim 32; llama: its queries a strided view of the q/k/v product (the prefill kernel once read
-    them as if contiguous: only qwen3's q norm had hidden that); gemma2: soft-capped scores, a window of 24."""
+    them as if contiguous: only qwen3's q norm had hidden that); gemma2: soft-capped scores, a window of 24;
+    deepseek_v3: MLA's absorbed queries over latents of 48 values (not a power of two), V read as K."""
     from kvcache import LLM, SamplingParams
     path = tiny_model_dirs[arch]
     kw = dict(kv_cache_dtype=kv, kv_cache_memory="2MiB", max_model_len=128, max_num_batched_tokens=24,

@@ -13,7 +13,9 @@ from tiny_models import hf_greedy, hf_model
 from kvcache import LLM, SamplingParams
 from kvcache.memory.kv_cache_manager import blocks_for
 
-ARCHS = ["llama", "mistral-swa", "qwen3", "gemma2", "gemma3"]  # mistral-swa: window of 24; gemmas: local + global
+# mistral-swa: window of 24; gemmas: local + global; deepseeks: MLA latents (absorbed for decode and cached
+# prefixes), MoE
+ARCHS = ["llama", "mistral-swa", "qwen3", "gemma2", "gemma3", "deepseek_v2", "deepseek_v3"]
 BLOCK_SIZE = 16
 SMALL_BLOCK = 8  # finer blocks let a small pool admit more, so growth must preempt
 NUM_REQUESTS = 16

@@ -15,7 +15,8 @@ from kvcache.plan.kv_bytes import kv_bytes_per_token
 from kvcache.plan.model_source import load_model_shape
 
 MODES = ["off", "hash", "radix"]
-ARCHS = ["llama", "mistral-swa", "qwen3"]  # mistral-swa: cached blocks under a 24-token sliding window
+ARCHS = ["llama", "mistral-swa", "qwen3", "deepseek_v3"]  # mistral-swa: cached blocks under a 24-token sliding
+# window; deepseek_v3: cached latents, hits attended in the absorbed form
 
 
 def _mode(mode: str) -> dict:

@@ -31,7 +31,10 @@ DTYPES = ["float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"]
 CASES = ([("llama", d, "float32") for d in DTYPES] + [(a, d, "float32") for a in ("mistral-swa", "qwen3")
                                                        for d in ("int8", "int4")]
          + [("llama", d, "bfloat16") for d in ("bfloat16", "fp8_e4m3", "int8", "int4")]
-         + [("llama", "float16", "float16"), ("qwen3", "int8", "float16"), ("mistral-swa", "int4", "bfloat16")])
+         + [("llama", "float16", "float16"), ("qwen3", "int8", "float16"), ("mistral-swa", "int4", "bfloat16")]
+         # MLA latents quantized per token (one scale for the latent and its RoPE key): V2's and V3's layers
+         + [("deepseek_v2", "int8", "float32"), ("deepseek_v3", "fp8_e4m3", "float32"),
+            ("deepseek_v3", "bfloat16", "bfloat16")])
 
 
 def _greedy(max_tokens, logprobs=None):

@@ -22,7 +22,6 @@ from transformers import AutoModelForCausalLM
 from tiny_models import OVERFLOW_TOKEN, TINY_ARCHS, hf_greedy, make_fp16_overflow_model
 from kvcache import LLM, RequestFailedError, SamplingParams
 from kvcache.attention.metadata import SeqChunk, build_batch
-from kvcache.models.llama import head_dim_of
 from kvcache.models.loader import build_model, read_checkpoint
 from kvcache.store.kv_store import KVStore
 
@@ -53,8 +52,8 @@ def kv_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits of every position, the ids fed `chunk` at a time through a paged cache in the model's dtype."""
     cfg = model.config
     p = next(model.parameters())
-    store = KVStore(cfg.num_hidden_layers, 64, BLOCK, cfg.num_key_value_heads, head_dim_of(cfg), model.compute_dtype,
-                    p.device)
+    kv_heads, head_dim, latent = model.kv_layout
+    store = KVStore(cfg.num_hidden_layers, 64, BLOCK, kv_heads, head_dim, model.compute_dtype, p.device, latent=latent)
     table = list(range(1, 1 + -(-len(ids) // BLOCK)))[::-1]  # scattered blocks
     out = []
     for s in range(0, len(ids), chunk):
@@ -64,11 +63,20 @@ def kv_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def assert_close_and_same_greedy(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+def assert_close_and_same_greedy(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, routed: bool = False
+                                 ) -> None:
+    """Every row within the tolerance and the same argmax where the margin is clear. `routed` (a mixture of experts):
+    a token whose expert scores tie within rounding may take another expert, a step in its logits: up to one row in
+    twenty may then be off by up to 4x the tolerance (and is left out of the argmax check)."""
     tol = tolerance(ref, dtype)
-    assert (got - ref).abs().max().item() <= tol, f"max |diff| {(got - ref).abs().max().item():.5f} > {tol:.5f}"
+    err = (got - ref).abs().amax(-1)
+    off = err > tol
+    if routed:
+        assert off.float().mean() <= 0.05 and err.max().item() <= 4 * tol, f"rows off {off.sum()}, max {err.max():.5f}"
+    else:
+        assert not off.any(), f"max |diff| {err.max().item():.5f} > {tol:.5f}"
     top2 = ref.topk(2, -1).values
-    clear = (top2[:, 0] - top2[:, 1]) > tol
+    clear = ((top2[:, 0] - top2[:, 1]) > tol) & ~off
     assert clear.any()
     assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
 
@@ -81,8 +89,12 @@ def pairs(tiny_model_dirs):
     def get(arch: str, dtype: str, device: str):
         if (arch, dtype, device) not in cache:
             d = tiny_model_dirs[arch]
+            # MoE: transformers' reference loop over experts ("eager"), which kvcache computes bit for bit in one
+            # prefill; its default grouped_mm kernel rounds half precision differently
+            moe = {"experts_implementation": "eager"} if arch.startswith("deepseek") else {}
             cache[arch, dtype, device] = (build_model(read_checkpoint(d), 256, device, DTYPES[dtype]),
-                                          AutoModelForCausalLM.from_pretrained(d, dtype=DTYPES[dtype]).to(device).eval())
+                                          AutoModelForCausalLM.from_pretrained(d, dtype=DTYPES[dtype], **moe)
+                                          .to(device).eval())
         return cache[arch, dtype, device]
     return get
 
@@ -98,7 +110,8 @@ def test_teacher_forced_logits_and_greedy_tokens_match_transformers(pairs, arch,
     ids = prompt + hf_greedy(hf, prompt, 24)
     ref = hf_logits(hf, ids)
     for chunk in (len(ids), 7, 1):
-        assert_close_and_same_greedy(kv_logits(model, ids, chunk), ref, DTYPES[dtype])
+        assert_close_and_same_greedy(kv_logits(model, ids, chunk), ref, DTYPES[dtype],
+                                     routed=bool(getattr(model.config, "n_routed_experts", 0)))
     if (device, dtype) == ("cpu", "bfloat16"):
         # In one prefill both take the same kernels: far closer to transformers' bfloat16 than bfloat16 is to
         # float32 (here bit for bit), so a layer computed in the wrong dtype shows.

@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 
 from tiny_models import TINY_ARCHS, hf_model
 from kvcache.attention.metadata import SeqChunk, build_batch
-from kvcache.models.llama import head_dim_of
 from kvcache.models.loader import LoadedModel, ModelLoadError, build_model, read_checkpoint, read_config
 from kvcache.models.weights import GGUFSource, read_all
 from kvcache.store.kv_store import KVStore
@@ -33,8 +32,8 @@ class Runner:
     def __init__(self, model, num_blocks: int = 64, seed: int = 0) -> None:
         cfg = model.config
         self.model = model
-        self.store = KVStore(cfg.num_hidden_layers, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads,
-                             head_dim_of(cfg))
+        kv_heads, head_dim, latent = model.kv_layout
+        self.store = KVStore(cfg.num_hidden_layers, num_blocks, BLOCK_SIZE, kv_heads, head_dim, latent=latent)
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)
 
