@@ -36,10 +36,11 @@ TINY_ARCHS = {
                                                       "full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
                                   "final_logit_softcapping": 8.0}),
     # MLA (latent 32 + rope 16), a dense first layer then MoE: DeepSeek-V2-Lite's shape (no q compression),
-    # softmax routing limited to the best 2 of 4 expert groups, two shared experts
+    # softmax routing limited to the best of 4 expert groups (by its best expert: with 2 groups of the top 2
+    # experts the limit would never bind), two shared experts
     "deepseek_v2": (DeepseekV2Config, {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None,
                                        "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
-                                       "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+                                       "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 1,
                                        "topk_method": "group_limited_greedy", "n_shared_experts": 2,
                                        "moe_intermediate_size": 64, "first_k_dense_replace": 1,
                                        "routed_scaling_factor": 1.5}),

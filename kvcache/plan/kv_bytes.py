@@ -118,6 +118,18 @@ def kv_bytes_per_token(shape: ModelShape, dtype: str, tensor_parallel_size: int 
     return sum(layer_bytes_per_token(shape, dtype, k, tensor_parallel_size) for k in shape.layer_kinds)
 
 
+def mha_equivalent_bytes_per_token(shape: ModelShape, dtype: str) -> int | None:
+    """What an MLA model's tokens would cost cached expanded, as multi-head attention: every head's key
+    (qk_nope_head_dim + qk_rope_head_dim) and value (v_head_dim) in every MLA layer. None for other models."""
+    n = shape.count("mla")
+    if not n:
+        return None
+    spec = kv_dtype(dtype)
+    per_head = _tensor_bytes(shape.qk_nope_head_dim + shape.qk_rope_head_dim, spec, key=True) \
+        + _tensor_bytes(shape.v_head_dim, spec, key=False)
+    return n * shape.num_attention_heads * per_head
+
+
 def residual_bytes_per_seq(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> int:
     """Bytes of the fp16 buffer holding a sequence's newest keys until their quantization group fills (KIVI).
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from kvcache.plan.capacity import DevicePlan
 from kvcache.plan.kv_bytes import (heads_per_gpu, kv_bytes_per_token, kv_cache_bytes, kv_dtype, kv_formula,
-                                   layer_groups, residual_bytes_per_seq, state_bytes_per_seq)
+                                   layer_groups, mha_equivalent_bytes_per_token, residual_bytes_per_seq,
+                                   state_bytes_per_seq)
 from kvcache.plan.shape import ModelShape
 
 
@@ -36,6 +37,7 @@ def build_report(shape: ModelShape, dtype: str, batch: int, seq_len: int, device
         "kv_cache_dtype": kv_dtype(dtype).name, "kv_cache_dtype_layout": kv_dtype(dtype).describe(),
         "bytes_per_token_per_layer": {g.kind: g.bytes_per_token for g in groups},
         "bytes_per_token": kv_bytes_per_token(shape, dtype), "formula": kv_formula(shape, dtype),
+        "mha_equivalent_bytes_per_token": mha_equivalent_bytes_per_token(shape, dtype),
         "residual_bytes_per_seq": residual_bytes_per_seq(shape, dtype),
         "state_bytes_per_seq": state_bytes_per_seq(shape, state_dtype),
         "batch": batch, "seq_len": seq_len, "total_bytes": cache.total_bytes, "attention_bytes": cache.attention_bytes,
@@ -75,6 +77,9 @@ def format_report(r: dict) -> str:
         ("kv dtype", r["kv_cache_dtype_layout"]),
         ("per layer", ", ".join(f"{k}: {b:,} bytes/token" for k, b in r["bytes_per_token_per_layer"].items())),
         ("per token", f"{r['formula']} ({human(r['bytes_per_token'])})"),
+        *([("MHA equiv", f"{r['mha_equivalent_bytes_per_token']:,} bytes/token with every head's K and V cached "
+                         f"expanded: {r['mha_equivalent_bytes_per_token'] / r['bytes_per_token']:.1f}x the latent")]
+          if r.get("mha_equivalent_bytes_per_token") else []),
         ("cache", f"{r['batch']:,} x {r['seq_len']:,} tokens = {r['total_bytes']:,} bytes ({human(r['total_bytes'])})"),
         ("", f"= {r['total_formula']}"),
     ]

@@ -36,6 +36,8 @@ class ModelShape:
     sliding_window: int | None = None  # tokens cached by "sliding" layers
     kv_lora_rank: int = 0  # MLA: compressed KV latent per token and layer
     qk_rope_head_dim: int = 0  # MLA: the decoupled RoPE key, cached beside the latent
+    qk_nope_head_dim: int = 0  # MLA: each head's key without RoPE (expanded from the latent; not cached)
+    v_head_dim: int = 0  # MLA: each head's value (expanded from the latent; not cached)
     linear_state_values: int = 0  # values of constant state per linear/SSM layer and request
     linear_heads: int = 0  # heads of the linear layers (split by tensor parallelism)
     hidden_size: int = 0
@@ -165,15 +167,17 @@ def shape_from_config(cfg: dict, name: str = "", num_parameters: int | None = No
             raise ConfigError(f"config has no head_dim and hidden_size {hidden} is not a multiple of {heads} heads")
         head_dim = hidden // heads
     window = _get(cfg, "sliding_window", "attention_chunk_size") if "sliding" in kinds else None
-    rank = rope = 0
+    rank = rope = nope = vd = 0
     if "mla" in kinds:
         rank, rope = _need(cfg, "the MLA latent", "kv_lora_rank"), _need(cfg, "the MLA latent", "qk_rope_head_dim")
+        nope, vd = _get(cfg, "qk_nope_head_dim", default=128), _get(cfg, "v_head_dim", default=128)
     state = state_heads = 0
     if "linear" in kinds:
         state, state_heads = _linear_state(cfg, model_type, hidden)
     shape = ModelShape(
         num_layers=n, num_kv_heads=kv_heads, head_dim=head_dim, num_attention_heads=heads, layer_kinds=kinds,
-        sliding_window=window, kv_lora_rank=rank, qk_rope_head_dim=rope, linear_state_values=state,
+        sliding_window=window, kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=vd,
+        linear_state_values=state,
         linear_heads=state_heads, hidden_size=hidden,
         intermediate_size=_get(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden),
         vocab_size=_get(cfg, "vocab_size", default=0),
@@ -194,7 +198,7 @@ def estimate_parameters(cfg: dict, shape: ModelShape) -> int | None:
         return None
     h, v, heads = shape.hidden_size, shape.vocab_size, shape.num_attention_heads
     if "mla" in shape.layer_kinds:
-        nope, vd = _get(cfg, "qk_nope_head_dim", default=128), _get(cfg, "v_head_dim", default=128)
+        nope, vd = shape.qk_nope_head_dim, shape.v_head_dim
         qd = heads * (nope + shape.qk_rope_head_dim)
         qr = _get(cfg, "q_lora_rank")
         q = h * qr + qr + qr * qd if qr else h * qd
