@@ -464,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     _command(bsub, "serve", "load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput", "kvcache.bench.serve")
     _command(bsub, "sliding-window", "blocks per request and concurrency with out-of-window blocks given back, "
              "against one table keeping them all", "kvcache.bench.sliding_window")
+    _command(bsub, "mla", "MLA's latent KV bytes per token against MHA, and decode step time of absorbed against "
+             "expanded attention", "kvcache.bench.mla")
 
     ev = sub.add_parser("eval", help="quality evaluations")
     evsub = ev.add_subparsers(dest="eval", required=True)
