@@ -62,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="publish KV cache events (vLLM's BlockStored/BlockRemoved/AllBlocksCleared, msgpack over "
                         "ZeroMQ PUB) for KV-aware routers: tcp://*:5557 binds; tcp://host:port connects")
     p.add_argument("--kv-events-topic", default="", help="the ZeroMQ topic of the KV events (default: none)")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, vLLM\'s fields: \'{"method": "ngram", "num_speculative_tokens": '
+                        '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (greedy requests speculate; see README)')
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="recompute: a preempted request's KV is freed and prefilled again when it resumes; swap: it "
                         "goes to the cpu tier (--kv-offload-memory), else the disk tier, and comes back (recompute "
@@ -135,6 +138,12 @@ def print_kv_summary(engine, out=None) -> None:
         e = info["kv_events"]
         print(f"kv events : {e['published_events']:,} events in {e['published_batches']:,} batches to {e['endpoint']}"
               + (f"; {e['failed_batches']} batches failed" if e["failed_batches"] else ""), file=out)
+    if info["speculative_config"]:
+        drafts, proposed, accepted = (info[f"spec_decode_num_{k}"] for k in ("drafts", "draft_tokens", "accepted_tokens"))
+        mean = 1 + accepted / drafts if drafts else 0.0
+        print(f"speculate : {drafts:,} proposals of {proposed:,} tokens, {accepted:,} accepted "
+              f"({accepted / proposed if proposed else 0:.0%}); mean acceptance length {mean:.2f} tokens per "
+              "verifying step", file=out)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

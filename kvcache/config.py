@@ -106,6 +106,9 @@ class EngineConfig:
     # connects to a subscriber that binds; None = none published
     kv_events_endpoint: str | None = None
     kv_events_topic: str = ""
+    # Speculative decoding, vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (a dict or its JSON text); None = none (engine/spec_decode.py)
+    speculative_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -167,6 +170,15 @@ class EngineConfig:
                 ("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"kv_events_endpoint must be a ZeroMQ endpoint (tcp://*:5557, tcp://host:port, ipc://path);"
                              f" got {self.kv_events_endpoint!r}")
+        from kvcache.engine.spec_decode import SpeculativeConfig
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative is not None:
+            if self.kv_eviction != "none":
+                raise ValueError(f"speculative_config cannot be combined with kv_eviction {self.kv_eviction}: its "
+                                 "scores would count the queries of rejected tokens")
+            if group:
+                raise ValueError(f"speculative_config cannot be combined with kv_cache_dtype {self.kv_cache_dtype} "
+                                 "(KIVI): a rejected token's key would stay in the fp16 residual (use int8 or fp8)")
         if self.attention_backend not in ("auto", "triton", "torch", "cpu"):
             raise ValueError(f"attention_backend must be one of auto, triton, torch, cpu; got {self.attention_backend!r}")
 

@@ -31,6 +31,7 @@ class SeqChunk:
     capture: range = range(0)  # chunk offsets whose queries the batch keeps (eviction scoring)
     layer_start: list[int] | None = None  # per layer, block-aligned first live slot (PyramidKV)
     seq_id: int | None = None  # the KVCacheManager's id of the table (the runner reads its device copy)
+    num_logits: int = 1  # with needs_logits: logits of this many last rows (a speculating decode verifies each)
 
 
 @dataclass(slots=True)
@@ -195,7 +196,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         capture.extend(row + i for i in c.capture)
         slots.extend(c.block_table[i // block_size] * block_size + i % block_size for i in p)
         if c.needs_logits:
-            logit_rows.append(row + n - 1)
+            logit_rows.extend(range(row + n - c.num_logits, row + n))
         full = kb.add(c, row) if kb else []
         t_row = table_rows[i] if tables is not None else None
         if n == 1 and c.start > 0:

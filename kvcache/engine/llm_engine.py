@@ -27,6 +27,7 @@ from kvcache.engine.outputs import CompletionOutput, Request, RequestMetrics, Re
 from kvcache.engine.sampler import SamplingRow, sample
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.engine.scheduler import Scheduler
+from kvcache.engine.spec_decode import ngram_propose
 from kvcache.engine.sequence import Sequence
 from kvcache.engine.sizing import (kv_capacity, release_window, resolve_device_dtype, slow_half_precision,
                                    why_every_block_is_kept)
@@ -62,6 +63,10 @@ class EngineStats:
     generation_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     steps: int = 0
+    spec_drafts: int = 0  # steps in which a sequence verified a proposal (speculative decoding)
+    spec_draft_tokens: int = 0  # tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # [i]: proposals whose token i was accepted
     peak_used_blocks: int = 0
 
 
@@ -128,6 +133,11 @@ class LLMEngine:
         if self.backend == "triton" and hasattr(self.store, "raw"):
             from kvcache.attention.triton_attention import write_quantized
             self.store.fused_write = write_quantized
+        self.spec = config.speculative
+        if self.spec is not None and self.release_window:
+            raise ValueError("speculative_config cannot be combined with a sliding window whose blocks are given back "
+                             "(a rejected token would move the window past blocks still needed); use "
+                             "--prefix-caching-algo radix to keep every block")
         self.runner = ModelRunner(self.model, self.store, self.kv, self.device, self.backend)
         self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.shape.num_kv_heads,
                                self.model.layers[0].scale, self.device)
@@ -328,6 +338,8 @@ class LLMEngine:
     @torch.inference_mode()
     def _step(self) -> list[RequestOutput]:
         self._failed = set()
+        if self.spec is not None:
+            self._propose()
         try:
             sched = self.scheduler.schedule()
         except Exception as e:  # its bookkeeping may be half done: fail what it was working on
@@ -348,6 +360,19 @@ class LLMEngine:
         self._consecutive_failures = 0
         return self._collect_outputs(touched)
 
+    def _propose(self) -> None:
+        """Each greedy decoding sequence's n-gram proposal for this step (engine/spec_decode.py); at most what its
+        max_tokens and max_model_len leave after the token the target adds."""
+        spec = self.spec
+        for seq in self.scheduler.running:
+            seq.draft = []
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.params.greedy:
+                continue
+            k = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1)
+            if k > 0:
+                seq.draft = ngram_propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+
     def _run(self, chunks: list[tuple[Sequence, int]]) -> set[str]:
         """The forward of the scheduled `chunks`, then each sequence's bookkeeping (prefix caching, eviction,
         sampling, stop checks), isolated per request; returns the requests that got tokens."""
@@ -356,7 +381,7 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-            if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:  # not a decode
+            if n - len(seq.draft) > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:  # not a decode
                 self.stats.prefill_tokens_computed += n
         loads, self.scheduler.loads = self.scheduler.loads, []
         if loads:
@@ -364,7 +389,7 @@ class LLMEngine:
         sampled, logits, specs = self.runner.execute(chunks)
         to_store: list[tuple[int, int | None, tuple[int, ...], int]] = []
         for seq, n in chunks:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft)  # a proposal's tokens count once accepted
             self._isolated(seq, "caching its prefix blocks", self._cache_blocks, seq, to_store)
         if to_store:
             self.offload.store(to_store)
@@ -441,9 +466,17 @@ class LLMEngine:
         seqs, rows, forks = self._sampling_rows(sampled)
         if not seqs:
             return set()
-        batch_logits = logits if len(rows) == logits.shape[0] else \
-            logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
-        tokens = self._sample(seqs, batch_logits)
+        # Logits rows: 1 + len(draft) per sampled sequence, in order; a fork samples from its parent's (a prompt's)
+        first = list(itertools.accumulate([1 + len(s.draft) for s in sampled], initial=0))
+        row_seqs, row_ids, outputs = [], [], []
+        for seq, i in zip(seqs, rows):
+            for j in range(1 + len(seq.draft)):  # a speculating sequence: row j verifies draft[j] (draft[:j] before it)
+                row_seqs.append(seq)
+                row_ids.append(first[i] + j)
+                outputs.append(seq.output_token_ids + seq.draft[:j] if seq.draft else None)
+        batch_logits = logits if row_ids == list(range(logits.shape[0])) else \
+            logits.index_select(0, torch.tensor(row_ids).to(logits.device, non_blocking=True))
+        results = self._sample(row_seqs, batch_logits, outputs)
         for parent, child in forks:
             if parent.is_finished or child.is_finished:  # its request failed
                 continue
@@ -459,26 +492,67 @@ class LLMEngine:
             self._isolated(child, "copying the KV blocks of its sample", self.store.copy_blocks, copies)
         now = time.monotonic()
         touched = set()
-        for seq, (token, lp) in zip(seqs, tokens):
+        at = 0
+        for seq in seqs:
+            pairs = results[at:at + 1 + len(seq.draft)]
+            at += len(pairs)
             touched.add(seq.request_id)
             if seq.is_finished:
+                seq.draft = []
                 continue
-            seq.token_ids.append(token)
-            if lp is not None:
-                seq.logprobs.append(lp)
-                seq.cumulative_logprob += lp[token]
-            self.stats.generation_tokens += 1
-            req = self.requests[seq.request_id]
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            try:
-                reason = self.stop.stop_reason(seq, token)
-            except Exception as e:  # a tokenizer that cannot decode what was sampled
-                self._fail(req, "the engine failed while checking this request's stop conditions", e)
-                continue
-            if reason:
-                self.scheduler.finish(seq, reason)
+            accepted = self._verify(seq, pairs) if seq.draft else 0
+            for token, lp in pairs[:accepted + 1]:
+                if self._append(seq, token, lp, now):
+                    break
+            if seq.draft and not seq.is_finished:
+                self._isolated(seq, "rolling back its rejected tokens", self._accept, seq, accepted)
+            seq.draft = []
         return touched
+
+    def _append(self, seq: Sequence, token: int, lp: dict | None, now: float) -> bool:
+        """Append one sampled token and check the stop conditions; whether the sequence finished."""
+        seq.token_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp[token]
+        self.stats.generation_tokens += 1
+        req = self.requests[seq.request_id]
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        try:
+            reason = self.stop.stop_reason(seq, token)
+        except Exception as e:  # a tokenizer that cannot decode what was sampled
+            self._fail(req, "the engine failed while checking this request's stop conditions", e)
+            return True
+        if reason:
+            self.scheduler.finish(seq, reason)
+        return bool(reason)
+
+    def _verify(self, seq: Sequence, pairs: list[tuple[int, dict | None]]) -> int:
+        """How many of the sequence's proposed tokens the target's own tokens (`pairs`, one per row) confirm: the
+        longest run from the first; the token after the run is the target's. Counted in the stats."""
+        accepted = 0
+        while accepted < len(seq.draft) and pairs[accepted][0] == seq.draft[accepted]:
+            accepted += 1
+        st = self.stats
+        st.spec_drafts += 1
+        st.spec_draft_tokens += len(seq.draft)
+        st.spec_accepted_tokens += accepted
+        per = st.spec_accepted_per_position
+        per.extend([0] * (len(seq.draft) - len(per)))
+        for i in range(accepted):
+            per[i] += 1
+        return accepted
+
+    def _accept(self, seq: Sequence, accepted: int) -> None:
+        """After verification: the accepted tokens' K/V (written this step) count as computed, their full blocks
+        join the prefix cache, and blocks that held only rejected tokens go back to the pool."""
+        seq.num_computed_tokens += accepted
+        to_store: list[tuple[int, int | None, tuple[int, ...], int]] = []
+        self._cache_blocks(seq, to_store)
+        if to_store:
+            self.offload.store(to_store)
+        self.kv.trim(seq.seq_id, seq.num_tokens - seq.num_evicted)
 
     def _sampling_rows(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int], list[tuple[Sequence, Sequence]]]:
         """The sequences to sample, their rows of the logits, and the (parent, child) forks of n > 1 requests
@@ -500,10 +574,14 @@ class LLMEngine:
                     rows.append(i)
         return seqs, rows, forks
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, dict | None]]:
-        """(token, logprobs) per sequence. A row the sampler refuses, or that raises when sampled alone after
-        the whole batch raised, fails its request; its pair is then (-1, None)."""
-        rows = [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids) for s in seqs]
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[list[int] | None] | None = None
+                ) -> list[tuple[int, dict | None]]:
+        """(token, logprobs) per row: row i is seqs[i]'s, with outputs[i] (when given and not None) as its output
+        so far (a speculating sequence's row after proposed tokens). A row the sampler refuses, or that raises when
+        sampled alone after the whole batch raised, fails its request; its pair is then (-1, None)."""
+        outputs = outputs or [None] * len(seqs)
+        rows = [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids if o is None else o)
+                for s, o in zip(seqs, outputs)]
         eos = self._sampler_eos
         # A batch that raises is sampled again row by row, each seeded row from where its generator was.
         states = [r.generator.get_state() if r.generator is not None else None for r in rows]
@@ -634,6 +712,11 @@ class LLMEngine:
             "evicted_tokens": self.evictor.stats.evicted_tokens, "eviction_freed_blocks": self.evictor.stats.freed_blocks,
             "eviction_compactions": self.evictor.stats.compactions,
             "prefill_tokens_computed": self.stats.prefill_tokens_computed,
+            "speculative_config": vars(self.spec) if self.spec else None,
+            "spec_decode_num_drafts": self.stats.spec_drafts,
+            "spec_decode_num_draft_tokens": self.stats.spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.stats.spec_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.stats.spec_accepted_per_position),
             "offload": self.offload.info() if self.offload else None,
             "kv_events": self.event_publisher.info() if self.event_publisher else None,
         }

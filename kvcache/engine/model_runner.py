@@ -35,16 +35,19 @@ class ModelRunner:
             self.kivi = KiviLayout(store.kivi_group, store.num_kv_heads * store.head_dim, store.row_elems)
 
     def execute(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor, list[SeqChunk]]:
-        """Run one step. Returns the sequences that reached their last token, their fp32 logits [n, vocab], and
+        """Run one step. Returns the sequences that reached their last token, their fp32 logits (1 + len(draft)
+        rows each, in order: [n, vocab]), and
         the step's chunks (one per scheduled sequence; `self.captured` holds the queries eviction asked for)."""
         specs, sampled = [], []
         for seq, n in chunks:
             start = seq.num_computed_tokens
-            last = start + n == seq.num_tokens
+            tokens = seq.token_ids + seq.draft if seq.draft else seq.token_ids
+            last = start + n == len(tokens)
             slot = start - seq.num_evicted
-            specs.append(seq_chunk(seq.seq_id, seq.token_ids[start:start + n], slot, self.kv.block_tables[seq.seq_id], last,
+            specs.append(seq_chunk(seq.seq_id, tokens[start:start + n], slot, self.kv.block_tables[seq.seq_id], last,
                                    self.kv.private_blocks.get(seq.seq_id, []), seq.eviction))
             if last:
+                specs[-1].num_logits = 1 + len(seq.draft)  # a speculating decode: every proposed token is verified
                 sampled.append(seq)
         return sampled, self._forward(specs), specs
 

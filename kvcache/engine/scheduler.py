@@ -113,6 +113,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft = []
         if self.swap and not self._swap_out(seq):
             self.num_swap_fallbacks += 1
         self.kv.free(seq.seq_id)
@@ -156,8 +157,15 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            pending = seq.num_tokens - seq.num_computed_tokens
+            if seq.draft:  # a speculating decode: its last token and as much of its proposal as the budget takes
+                seq.draft = seq.draft[:max(0, budget - pending)]
+            n = min(pending + len(seq.draft), budget)
             while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens - seq.num_evicted + n):
+                if seq.draft:  # a proposal never preempts anyone: drop it first
+                    n -= len(seq.draft)
+                    seq.draft = []
+                    continue
                 victim = self.running[-1]
                 budget += scheduled.pop(victim.seq_id, 0)
                 self._preempt(victim)

@@ -40,6 +40,7 @@ class Sequence:
     extra_key: tuple = ()  # prefix-cache extra keys: (cache_salt,) when the request has one
     prefix_counted: bool = False  # its prefix lookup has been counted in the hit rate
     eviction: EvictionState | None = None  # its eviction policy's state, if it has one
+    draft: list[int] = field(default_factory=list)  # tokens proposed for this step (speculative decoding)
 
     @property
     def max_cached_prefix(self) -> int | None:

@@ -287,6 +287,20 @@ class KVCacheManager:
         self.pool.free(freed)
         return freed
 
+    def trim(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Give back the trailing blocks of `seq_id` past those its first `num_tokens` tokens need (speculative
+        decoding's rollback: blocks that held only rejected tokens). They were taken fresh this step and never
+        registered in the prefix cache (only computed tokens' blocks are). Returns the blocks given back."""
+        table = self.block_tables[seq_id]
+        keep = blocks_for(num_tokens, self.block_size)
+        if len(table) <= keep:
+            return []
+        freed = table[keep:]
+        del table[keep:]
+        self._changed.add(seq_id)
+        self.pool.free(freed[::-1])
+        return freed
+
     def num_released(self, seq_id: int) -> int:
         """Leading table entries of `seq_id` given back by release_leading (null now)."""
         return self._released.get(seq_id, 0)

@@ -12,6 +12,10 @@ Every metric carries the label `model_name`. vLLM's (same meaning, same units, s
 | `kvcache:num_preemptions_total` | counter | preemptions (a sequence's blocks freed, to be recomputed) |
 | `kvcache:prompt_tokens_total` | counter | prompt tokens of requests submitted |
 | `kvcache:generation_tokens_total` | counter | tokens sampled |
+| `kvcache:spec_decode_num_drafts_total` | counter | speculative decoding: proposals verified |
+| `kvcache:spec_decode_num_draft_tokens_total` | counter | speculative decoding: tokens proposed |
+| `kvcache:spec_decode_num_accepted_tokens_total` | counter | speculative decoding: proposed tokens accepted |
+| `kvcache:spec_decode_num_accepted_tokens_per_pos_total` | counter | proposals whose token at `position` was accepted |
 | `kvcache:request_success_total{finished_reason}` | counter | requests finished: stop, length, abort |
 | `kvcache:time_to_first_token_seconds` | histogram | seconds from arrival to the first sampled token |
 | `kvcache:inter_token_latency_seconds` | histogram | seconds between a request's successive token steps |
@@ -117,6 +121,13 @@ class ServerMetrics:
         self.eviction_freed_blocks = counter("kv_eviction_freed_blocks", "KV blocks that token eviction's "
                                                                          "compactions returned to the pool.")
         self.generation_tokens = counter("generation_tokens", "Generated (sampled) tokens.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: proposals verified.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens "
+                                                                        "accepted.")
+        self._spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
+                                     "proposals whose token at this position was accepted.",
+                                     ["model_name", "position"], registry=self.registry)
         self._success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         for reason in FINISH_REASONS:  # present at 0 from the start, as vLLM does
@@ -254,6 +265,12 @@ class ServerMetrics:
         lt["queries"] += self._advance("queries", self.prefix_queries, kv.stats.queries)
         lt["hits"] += self._advance("hits", self.prefix_hits, kv.stats.hits)
         self._advance("preemptions", self.preemptions, sched.num_preemptions)
+        st = eng.stats
+        self._advance("spec_drafts", self.spec_drafts, st.spec_drafts)
+        self._advance("spec_draft_tokens", self.spec_draft_tokens, st.spec_draft_tokens)
+        self._advance("spec_accepted", self.spec_accepted, st.spec_accepted_tokens)
+        for pos, n in enumerate(st.spec_accepted_per_position):
+            self._advance(f"spec_pos:{pos}", self._spec_per_pos.labels(self.model_name, str(pos)), n)
         self._advance("evicted", self.evicted_tokens, eng.evictor.stats.evicted_tokens)
         self._advance("eviction_freed", self.eviction_freed_blocks, eng.evictor.stats.freed_blocks)
         if self._tiers:

@@ -1,0 +1,92 @@
+"""Speculative decoding with n-gram prompt lookup (vLLM's `ngram` method), verified inside the continuous batch.
+
+Each step, before scheduling, a decoding sequence whose request is greedy looks for the last n of its tokens
+(n from prompt_lookup_max down to prompt_lookup_min) earlier in its prompt and output, most recent match first,
+and proposes up to num_speculative_tokens tokens that followed it. The scheduler gives it 1 + k tokens (its last
+token and the proposal) like a short prefill chunk, in the same step as plain decodes and prefills; the step keeps
+the logits of all 1 + k rows. Verification (engine): the target's token at each row, with the proposal before it
+counted as output (penalties, min_tokens), is compared to the proposal; the longest agreeing run is accepted,
+plus the target's token after it, so a step appends 1 to k + 1 tokens and every one is the token plain greedy
+decoding would have produced.
+
+KV rollback: the rows of rejected tokens were written to slots past the sequence's accepted length. Those slots
+are overwritten before anything reads them (attention reads a sequence's first num_computed_tokens slots), the
+blocks holding only rejected slots go back to the pool in the same step (KVCacheManager.trim), and the prefix
+cache registers only blocks of accepted tokens (cache_blocks runs on the accepted count).
+
+Sampled requests (temperature > 0) decode one token a step: the rejection-sampling rule that keeps their
+distribution is not built yet. Refused with speculation: KIVI caches (int4/int2: a rejected key would stay in the
+fp16 residual), token eviction (its scores would count rejected queries) and sliding windows that give blocks back
+(a rejected token's window moves too far).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+
+    @staticmethod
+    def parse(value) -> SpeculativeConfig | None:
+        """From vLLM's `speculative_config` (a dict, or its JSON text); None for None. ValueError, naming the field
+        and the numbers, for what is not supported or inconsistent. Absent lookup sizes follow vLLM: both 5, or
+        the one given for both."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object; {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown fields {unknown}; known: {sorted(known)}")
+        method = value.get("method", "ngram")
+        if method == "draft_model":
+            raise ValueError("speculative_config method draft_model is not supported yet; use ngram")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}; got {method!r}")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}; "
+                             f"got {k!r}")
+        hi, lo = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+        hi, lo = (5, 5) if hi is None and lo is None else (hi if hi is not None else lo, lo if lo is not None else hi)
+        for name, v in (("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer; got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min {lo} is above prompt_lookup_max {hi}")
+        return SpeculativeConfig(method, k, hi, lo)
+
+
+def ngram_propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """Up to `k` tokens that followed the most recent earlier occurrence of the last n tokens of `tokens`, for the
+    largest n in [n_min, n_max] that occurs; [] if none does."""
+    size = len(tokens)
+    if k < 1 or size < n_min + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = arr[size - n:]
+        # windows starting at 0 .. size - n - 1: each has at least one token after it
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:size - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k]
+    return []

@@ -1,0 +1,206 @@
+"""Speculative decoding with n-gram prompt lookup: greedy outputs token-identical to plain decoding (batched, chunked
+prefill, preemption, prefix caching, KV formats, architectures), rejected tokens rolled back (no block leaks,
+only verified tokens in the prefix cache), the configuration checked, the counters kept."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvcache import LLM, SamplingParams
+from kvcache.engine.spec_decode import SpeculativeConfig, ngram_propose
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def _workload(seed: int, n: int = 12, outputs: tuple[int, int] = (1, 60)) -> tuple[list[list[int]], list[int]]:
+    """Prompts that repeat a random span 2-6 times (n-grams find proposals, some right, some wrong), and a few
+    that do not repeat; `outputs` (1-60) output tokens."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        span = [rng.randrange(3, 320) for _ in range(rng.randint(4, 30))]
+        prompts.append(span * rng.randint(2, 6) if i % 4 else span + [rng.randrange(3, 320) for _ in range(20)])
+    return prompts, [rng.randint(*outputs) for _ in prompts]
+
+
+def _greedy(llm: LLM, prompts, max_tokens) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    eng = llm.engine
+    eng.check_no_leaks()
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_usable and eng.kv.block_tables == {}
+    return [o.outputs[0].token_ids for o in outs]
+
+
+CASES = {
+    "batched": dict(),
+    "chunked-prefill": dict(max_num_batched_tokens=24),
+    "preemption": dict(kv_cache_memory=48 * 8 * 512, block_size=8),  # 48 blocks of 8 for 12 requests of up to 280
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+    "radix": dict(prefix_caching_algo="radix"),
+    "int8": dict(kv_cache_dtype="int8"),
+    "fp8": dict(kv_cache_dtype="fp8_e4m3"),
+    "torch-backend": dict(attention_backend="torch"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_outputs_equal_plain_decoding(tiny_llama, case):
+    kw = {"kv_cache_memory": "8MiB", **CASES[case]}
+    prompts, max_tokens = _workload(seed=len(case), outputs=(40, 100) if case == "preemption" else (1, 60))
+    plain = _greedy(LLM(tiny_llama, **kw), prompts, max_tokens)
+    spec = LLM(tiny_llama, speculative_config=NGRAM, **kw)
+    assert _greedy(spec, prompts, max_tokens) == plain
+    info = spec.kv_cache_info()
+    assert 0 < info["spec_decode_num_accepted_tokens"] < info["spec_decode_num_draft_tokens"]  # some right, some not
+    if case == "preemption":
+        assert info["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "deepseek_v3"])
+def test_other_architectures_too(tiny_model_dirs, arch):
+    """GQA with q/k norms; soft-capped scores over a window of 24 (radix keeps every block: see the refusal
+    below); MLA's latents, the verified rows attended in the absorbed form."""
+    kw = dict(kv_cache_memory="8MiB", max_num_batched_tokens=32, prefix_caching_algo="radix")
+    prompts, max_tokens = _workload(seed=3, n=8)
+    plain = _greedy(LLM(tiny_model_dirs[arch], **kw), prompts, max_tokens)
+    assert _greedy(LLM(tiny_model_dirs[arch], speculative_config=NGRAM, **kw), prompts, max_tokens) == plain
+
+
+def test_fewer_steps_and_the_counters(tiny_llama):
+    prompts, max_tokens = _workload(seed=5)
+    plain, spec = LLM(tiny_llama, kv_cache_memory="8MiB"), LLM(tiny_llama, kv_cache_memory="8MiB",
+                                                               speculative_config=NGRAM)
+    assert _greedy(spec, prompts, max_tokens) == _greedy(plain, prompts, max_tokens)
+    st, info = spec.engine.stats, spec.kv_cache_info()
+    assert st.steps < plain.engine.stats.steps
+    assert st.generation_tokens == plain.engine.stats.generation_tokens == sum(max_tokens)
+    per = info["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per) == 4 and per == sorted(per, reverse=True)  # a token is accepted only after those before it
+    assert sum(per) == info["spec_decode_num_accepted_tokens"]
+    assert info["spec_decode_num_draft_tokens"] <= 4 * info["spec_decode_num_drafts"]
+    assert info["prefill_tokens_computed"] == plain.kv_cache_info()["prefill_tokens_computed"]  # verification is not prefill
+
+
+def test_sampled_requests_do_not_speculate(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_memory="8MiB", speculative_config=NGRAM)
+    prompts, _ = _workload(seed=6, n=4)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    assert llm.kv_cache_info()["spec_decode_num_drafts"] == 0
+    llm.engine.check_no_leaks()
+
+
+def test_stops_inside_an_accepted_run_and_the_length_limits(tiny_llama):
+    """A stop token met among accepted tokens ends the output there (the rest is dropped); max_tokens and
+    max_model_len are never passed by a proposal."""
+    prompts, _ = _workload(seed=7, n=6)
+    plain = LLM(tiny_llama, kv_cache_memory="8MiB", max_model_len=200)
+    spec = LLM(tiny_llama, kv_cache_memory="8MiB", max_model_len=200, speculative_config=NGRAM)
+    ref = _greedy(plain, prompts, [30] * len(prompts))
+    for p, r in zip(prompts, ref):
+        stop = r[len(r) // 2]  # a token the greedy continuation produces
+        params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop], ignore_eos=True)
+        want = plain.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
+        got = spec.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason) == (r[:r.index(stop) + 1], "stop")
+    long = prompts[1][:150]
+    out = spec.generate([{"prompt_token_ids": long}], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 50
+    spec.engine.check_no_leaks()
+
+
+def test_interleaved_requests_aborts_and_preemptions_leak_nothing(tiny_llama):
+    """Speculating greedy requests, sampled ones, aborts mid-way and a pool small enough to preempt, stepped by
+    hand: every greedy output that finishes equals plain decoding's, and every block comes back."""
+    prompts, max_tokens = _workload(seed=9, n=16, outputs=(40, 100))
+    plain = _greedy(LLM(tiny_llama, kv_cache_memory="8MiB"), prompts, max_tokens)
+    llm = LLM(tiny_llama, kv_cache_memory=48 * 8 * 512, block_size=8, max_num_batched_tokens=64,
+              speculative_config=NGRAM)
+    eng = llm.engine
+    rng = random.Random(1)
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        greedy = i % 3 != 2
+        params = SamplingParams(temperature=0 if greedy else 0.7, seed=i, max_tokens=m, ignore_eos=True)
+        eng.add_request(f"r{i}", p, params)
+    done, aborted = {}, set()
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        if rng.random() < 0.1:
+            live = sorted(r for r in eng.requests if r not in done)
+            if live:
+                victim = rng.choice(live)
+                eng.abort_request(victim)
+                aborted.add(victim)
+    eng.check_no_leaks()
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_usable
+    assert eng.kv_cache_info()["num_preemptions"] > 0
+    checked = [i for i in range(len(prompts)) if i % 3 != 2 and f"r{i}" in done and f"r{i}" not in aborted]
+    assert len(checked) >= 4
+    for i in checked:
+        assert done[f"r{i}"] == plain[i], i
+
+
+def test_a_prefix_cached_after_speculation_serves_later_requests_exactly(tiny_llama):
+    """Blocks the prefix cache registered during speculation hold verified tokens only: a later request whose prompt
+    is an earlier prompt plus its output hits them and continues as plain decoding does."""
+    prompts, _ = _workload(seed=11, n=4)
+    spec = LLM(tiny_llama, kv_cache_memory="8MiB", speculative_config=NGRAM)
+    plain = LLM(tiny_llama, kv_cache_memory="8MiB", enable_prefix_caching=False)
+    first = _greedy(spec, prompts, [40] * 4)
+    assert first == _greedy(plain, prompts, [40] * 4)
+    longer = [p + f for p, f in zip(prompts, first)]
+    before = spec.kv_cache_info()["prefix_cache_hits"]
+    assert _greedy(spec, longer, [20] * 4) == _greedy(plain, longer, [20] * 4)
+    assert spec.kv_cache_info()["prefix_cache_hits"] - before >= sum(len(p) for p in prompts) // 2
+
+
+def test_ngram_proposals():
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 3, 1) == [7, 1]  # the most recent match
+    assert ngram_propose([5, 6, 1, 2, 8, 2], 3, 3, 1) == [8, 2]  # n = 1: "2" was followed by 8, 2
+    assert ngram_propose([1, 2, 3, 4], 3, 3, 1) == []  # nothing repeats
+    assert ngram_propose([4, 1, 2, 5, 2, 1, 2], 4, 2, 2) == [5, 2, 1, 2]  # "1 2" matched at n = 2
+    assert ngram_propose([4, 1, 2, 5, 2, 1, 2], 4, 3, 3) == []  # no 3-gram repeats
+    assert ngram_propose([7, 7, 7], 5, 2, 1) == [7]  # the match's continuation is cut at the end
+    assert ngram_propose([1], 4, 3, 1) == []
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "draft_model is not supported yet"),
+    ({"method": "ngram"}, "num_speculative_tokens must be an integer in 1..16; got None"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "in 1..16; got 17"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "in 1..16; got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+     "prompt_lookup_min 3 is above prompt_lookup_max 2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_max must be a positive"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown fields"),
+    ("{not json", "must be a JSON object"),
+])
+def test_bad_configs_are_refused(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_config_defaults_follow_vllm():
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}') == SpeculativeConfig("ngram", 3, 5, 5)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 3, "prompt_lookup_max": 4}).prompt_lookup_min == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_cache_dtype="int4"), "KIVI"),
+    (dict(kv_eviction="h2o", kv_budget=64), "rejected tokens"),
+])
+def test_unsupported_combinations_are_refused(tiny_llama, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_llama, kv_cache_memory="8MiB", speculative_config=NGRAM, **kwargs)
+
+
+def test_a_sliding_window_that_gives_blocks_back_is_refused(tiny_model_dirs):
+    with pytest.raises(ValueError, match="sliding window whose blocks are given back"):
+        LLM(tiny_model_dirs["mistral-swa"], kv_cache_memory="8MiB", speculative_config=NGRAM)
