@@ -32,6 +32,9 @@ class SeqChunk:
     layer_start: list[int] | None = None  # per layer, block-aligned first live slot (PyramidKV)
     seq_id: int | None = None  # the KVCacheManager's id of the table (the runner reads its device copy)
     num_logits: int = 1  # with needs_logits: logits of this many last rows (a speculating decode verifies each)
+    # Each token attends as a decode row of its own length (speculative verification: plain decoding's arithmetic,
+    # so the tokens it accepts, and the K/V later layers compute from them, are exactly plain decoding's)
+    as_decodes: bool = False
 
 
 @dataclass(slots=True)
@@ -199,8 +202,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
             logit_rows.extend(range(row + n - c.num_logits, row + n))
         full = kb.add(c, row) if kb else []
         t_row = table_rows[i] if tables is not None else None
-        if n == 1 and c.start > 0:
-            decodes.append((row, c.start + n, c.block_table, full, c.layer_start, t_row))
+        if (n == 1 or c.as_decodes) and c.start > 0:
+            decodes.extend((row + j, c.start + j + 1, c.block_table, full, c.layer_start, t_row) for j in range(n))
         else:
             pre.append((c, row, c.start + n, full, t_row))
     if not decode_kernel:  # padded groups gather sequences of similar length together; a kernel needs no order

@@ -47,7 +47,8 @@ class ModelRunner:
             specs.append(seq_chunk(seq.seq_id, tokens[start:start + n], slot, self.kv.block_tables[seq.seq_id], last,
                                    self.kv.private_blocks.get(seq.seq_id, []), seq.eviction))
             if last:
-                specs[-1].num_logits = 1 + len(seq.draft)  # a speculating decode: every proposed token is verified
+                if seq.draft:  # a speculating decode: every proposed token is verified, each row as a decode
+                    specs[-1].num_logits, specs[-1].as_decodes = 1 + len(seq.draft), True
                 sampled.append(seq)
         return sampled, self._forward(specs), specs
 
