@@ -473,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     _command(bsub, "serve", "load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput", "kvcache.bench.serve")
     _command(bsub, "sliding-window", "blocks per request and concurrency with out-of-window blocks given back, "
              "against one table keeping them all", "kvcache.bench.sliding_window")
+    _command(bsub, "spec-decode", "n-gram speculative decoding against plain decoding on input-grounded and random "
+             "prompts, by batch size", "kvcache.bench.spec_decode")
     _command(bsub, "mla", "MLA's latent KV bytes per token against MHA, and decode step time of absorbed against "
              "expanded attention", "kvcache.bench.mla")
 

@@ -14,6 +14,11 @@ are overwritten before anything reads them (attention reads a sequence's first n
 blocks holding only rejected slots go back to the pool in the same step (KVCacheManager.trim), and the prefix
 cache registers only blocks of accepted tokens (cache_blocks runs on the accepted count).
 
+Verification costs k more rows per speculating sequence: where many sequences decode together the step is no
+longer bound by reading the weights and the rows cost more than the accepted tokens save (`kvcache bench
+spec-decode`: a loss at batch 8 on two CPU cores); `disable_by_batch_size` (vLLM's) stops proposing while more
+sequences than that are running.
+
 Sampled requests (temperature > 0) decode one token a step: the rejection-sampling rule that keeps their
 distribution is not built yet. Refused with speculation: KIVI caches (int4/int2: a rejected key would stay in the
 fp16 residual), token eviction (its scores would count rejected queries) and sliding windows that give blocks back
@@ -36,6 +41,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
+    disable_by_batch_size: int | None = None  # no proposals while more sequences than this are running
 
     @staticmethod
     def parse(value) -> SpeculativeConfig | None:
@@ -51,7 +57,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config must be a JSON object; {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown fields {unknown}; known: {sorted(known)}")
@@ -71,7 +77,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config {name} must be a positive integer; got {v!r}")
         if lo > hi:
             raise ValueError(f"speculative_config prompt_lookup_min {lo} is above prompt_lookup_max {hi}")
-        return SpeculativeConfig(method, k, hi, lo)
+        off = value.get("disable_by_batch_size")
+        if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer; got {off!r}")
+        return SpeculativeConfig(method, k, hi, lo, off)
 
 
 def ngram_propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:

@@ -87,6 +87,18 @@ def test_fewer_steps_and_the_counters(tiny_llama):
     assert info["prefill_tokens_computed"] == plain.kv_cache_info()["prefill_tokens_computed"]  # verification is not prefill
 
 
+def test_no_proposals_above_disable_by_batch_size(tiny_llama):
+    prompts, max_tokens = _workload(seed=5, n=6)
+    plain = _greedy(LLM(tiny_llama, kv_cache_memory="8MiB"), prompts, max_tokens)
+    llm = LLM(tiny_llama, kv_cache_memory="8MiB", speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    assert _greedy(llm, prompts, max_tokens) == plain
+    drafts = llm.kv_cache_info()["spec_decode_num_drafts"]
+    assert _greedy(llm, prompts[:1], max_tokens[:1]) == plain[:1]  # alone: below the limit, it speculates
+    assert llm.kv_cache_info()["spec_decode_num_drafts"] > drafts
+    with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
+        SpeculativeConfig.parse({**NGRAM, "disable_by_batch_size": 0})
+
+
 def test_sampled_requests_do_not_speculate(tiny_llama):
     llm = LLM(tiny_llama, kv_cache_memory="8MiB", speculative_config=NGRAM)
     prompts, _ = _workload(seed=6, n=4)

@@ -1,0 +1,109 @@
+"""`kvcache bench spec-decode`: n-gram speculative decoding against plain decoding, greedy, in one process.
+
+Two engines on the same model and settings, one with `speculative_config` (method ngram), run the same prompts:
+- `grounded`: the shipped corpus's documents (Python docstrings), each in a chat prompt asking for it back with its
+  typos fixed: the output repeats spans of the input, what prompt lookup is for;
+- `random`: random token ids: n-grams rarely repeat, so proposals are few (the cost of looking).
+Each workload runs at each `--batches` size (that many requests submitted together, `--rounds` times, new
+prompts each time). Reported: output tokens per second of both, their ratio, whether the tokens are identical
+(the exit status says so too), proposals and accepted tokens, and the mean acceptance length.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from kvcache.bench.throughput import write_json
+
+INSTRUCTION = "Repeat the following text, fixing only its typos:\n\n"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory or GGUF file (default: the demo model)")
+    p.add_argument("--quantization", default="int4", help="weights (default int4: the fast CPU single stream)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--batches", default="1,8", help="requests submitted together")
+    p.add_argument("--rounds", type=int, default=2, help="batches of new prompts per size")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--doc-chars", type=int, default=1200, help="characters of each document in a grounded prompt")
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--json", default="results/spec_decode.json")
+
+
+def _prompts(llm, workload: str, n: int, offset: int, chars: int) -> list[list[int]]:
+    if workload == "random":
+        rng = random.Random(offset)
+        vocab = llm.engine.model.config.vocab_size
+        length = min(300, llm.engine.max_model_len // 2)
+        return [[rng.randrange(min(100, vocab // 2), vocab) for _ in range(length)] for _ in range(n)]
+    from kvcache.eval.corpus import load_corpus
+    docs = load_corpus()
+    tok = llm.engine.tokenizer
+    out = []
+    for i in range(offset, offset + n):
+        text = docs[i % len(docs)].text[:chars]
+        ids = tok.apply_chat_template([{"role": "user", "content": INSTRUCTION + text}], add_generation_prompt=True,
+                                      tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def _run(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[list[int]]]:
+    from kvcache.engine.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return elapsed, sum(map(len, tokens)), tokens
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcache.engine.llm import LLM
+    batches = [int(b) for b in args.batches.split(",")]
+    if min(batches) < 1 or args.rounds < 1 or args.max_tokens < 1:
+        raise ValueError("--batches, --rounds and --max-tokens must be positive")
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    kw = dict(kv_cache_memory=args.kv_cache_memory, quantization=args.quantization, max_num_seqs=max(batches))
+    engines = {"plain": LLM(args.model, **kw), "ngram": LLM(args.model, speculative_config=spec, **kw)}
+    warm = _prompts(engines["plain"], "random", 1, 999, 0)
+    for llm in engines.values():
+        _run(llm, warm, 8)
+    rows, offset = [], 0
+    print(f"n-gram speculation {spec} against plain decoding, greedy, {args.quantization} weights, "
+          f"{args.max_tokens} tokens per request")
+    print(f"{'workload':>9} {'batch':>6} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>7} {'accepted':>14} "
+          f"{'mean len':>9} {'tokens':>10}")
+    for workload in ("grounded", "random"):
+        for batch in batches:
+            row = {"workload": workload, "batch": batch}
+            tokens = {}
+            for name, llm in engines.items():
+                before = llm.kv_cache_info()
+                elapsed = produced = 0
+                tokens[name] = []
+                for r in range(args.rounds):
+                    prompts = _prompts(llm, workload, batch, offset + r * batch, args.doc_chars)
+                    e, n, t = _run(llm, prompts, args.max_tokens)
+                    elapsed, produced = elapsed + e, produced + n
+                    tokens[name] += t
+                after = llm.kv_cache_info()
+                row[f"{name}_tok_s"] = produced / elapsed
+                if name == "ngram":
+                    for key in ("drafts", "draft_tokens", "accepted_tokens"):
+                        row[key] = after[f"spec_decode_num_{key}"] - before[f"spec_decode_num_{key}"]
+            offset += args.rounds * batch
+            row["ratio"] = row["ngram_tok_s"] / row["plain_tok_s"]
+            row["same_tokens"] = tokens["plain"] == tokens["ngram"]
+            row["mean_acceptance_length"] = 1 + row["accepted_tokens"] / row["drafts"] if row["drafts"] else 0.0
+            rows.append(row)
+            print(f"{workload:>9} {batch:>6} {row['plain_tok_s']:>12.1f} {row['ngram_tok_s']:>12.1f} "
+                  f"{row['ratio']:>6.2f}x {row['accepted_tokens']:>6}/{row['draft_tokens']:<7} "
+                  f"{row['mean_acceptance_length']:>9.2f} {'identical' if row['same_tokens'] else 'DIFFER':>10}")
+    write_json(args.json, {"speculative_config": spec, "quantization": args.quantization,
+                           "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows})
+    return 0 if all(r["same_tokens"] for r in rows) else 1

@@ -1,0 +1,21 @@
+import argparse
+import json
+
+from kvcache.bench import spec_decode
+
+
+def test_the_benchmark_compares_ngram_with_plain_decoding(tiny_llama, tmp_path):
+    p = argparse.ArgumentParser()
+    spec_decode.add_args(p)
+    out = tmp_path / "sd.json"
+    args = p.parse_args(["--model", tiny_llama, "--quantization", "none", "--batches", "1,3", "--rounds", "1",
+                         "--max-tokens", "24", "--kv-cache-memory", "16MiB", "--prompt-lookup-min", "1",
+                         "--json", str(out)])
+    assert spec_decode.run(args) == 0  # identical greedy tokens in every row
+    r = json.loads(out.read_text())
+    assert [(row["workload"], row["batch"]) for row in r["rows"]] == [("grounded", 1), ("grounded", 3),
+                                                                      ("random", 1), ("random", 3)]
+    for row in r["rows"]:
+        assert row["plain_tok_s"] > 0 and row["ngram_tok_s"] > 0
+        assert 0 <= row["accepted_tokens"] <= row["draft_tokens"]
+    assert sum(row["drafts"] for row in r["rows"]) > 0
