@@ -127,6 +127,9 @@ def snapshot(cur: dict[str, float], prev: dict[str, float] | None = None, dt_s: 
         "tiers": _tiers(get, delta if window else None),
         "offload_loaded_blocks": get("kv_offload_loaded_blocks_total"),
         "offload_load_mean_s": mean("kv_offload_load_seconds"),
+        "spec_drafts": get("spec_decode_num_drafts_total"),
+        "spec_draft_tokens": get("spec_decode_num_draft_tokens_total"),
+        "spec_accepted_tokens": get("spec_decode_num_accepted_tokens_total"),
     }
 
 
@@ -220,6 +223,10 @@ def render_snapshot(snapshot: dict) -> str:
     if s.get("swapped_out"):
         rows.append(("Swap", f"out {_num(s['swapped_out'])}   in {_num(s.get('swapped_in'))}   fell back to "
                              f"recompute {_num(s.get('swap_fallbacks'))}"))
+    if s.get("spec_drafts"):
+        drafts, proposed, accepted = s["spec_drafts"], s.get("spec_draft_tokens") or 0, s.get("spec_accepted_tokens") or 0
+        rows.append(("Speculation", f"{_num(drafts)} proposals   accepted {_num(accepted)} of {_num(proposed)} tokens   "
+                                    f"mean acceptance length {1 + accepted / drafts:.2f}"))
     lines = [f"kvcache top  {s.get('url', '')}  ({window})", ""]
     lines += [f"{name:<14} {value}" for name, value in rows]
     warns = warnings_for(s)

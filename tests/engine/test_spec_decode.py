@@ -233,3 +233,27 @@ def test_verified_rows_attend_as_decode_rows(kernel):
     lens = sorted(x for g in batch.decode_groups for x in g.context_lens.tolist())
     assert lens == [5, 11, 12, 13]
     assert batch.logits_indices.tolist() == [0, 1, 2, 3]
+
+
+def test_the_counters_reach_prometheus_and_kvcache_top(tiny_llama):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvcache.server.metrics import ServerMetrics
+    from kvcache.server.top import render_snapshot, snapshot
+    llm = LLM(tiny_llama, kv_cache_memory="8MiB", speculative_config=NGRAM)
+    prompts, max_tokens = _workload(seed=5, n=4)
+    _greedy(llm, prompts, max_tokens)
+    text = ServerMetrics(llm.engine, "tiny").render().decode()
+    got = {s.name + ("{" + s.labels["position"] + "}" if "position" in s.labels else ""): s.value
+           for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("kvcache:spec")}
+    info = llm.kv_cache_info()
+    assert got["kvcache:spec_decode_num_drafts_total"] == info["spec_decode_num_drafts"] > 0
+    assert got["kvcache:spec_decode_num_accepted_tokens_total"] == info["spec_decode_num_accepted_tokens"]
+    assert got["kvcache:spec_decode_num_draft_tokens_total"] == info["spec_decode_num_draft_tokens"]
+    per = info["spec_decode_num_accepted_tokens_per_pos"]
+    assert [got[f"kvcache:spec_decode_num_accepted_tokens_per_pos_total{{{i}}}"] for i in range(len(per))] == per
+    samples = {s.name + "".join(f"{{{k}={v}}}" for k, v in s.labels.items() if k != "model_name"): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    shown = render_snapshot(snapshot(samples))
+    mean = 1 + info["spec_decode_num_accepted_tokens"] / info["spec_decode_num_drafts"]
+    assert f"mean acceptance length {mean:.2f}" in shown
