@@ -4,6 +4,9 @@ Two engines on the same model and settings, one with `speculative_config` (metho
 - `grounded`: the shipped corpus's documents (Python docstrings), each in a chat prompt asking for it back with its
   typos fixed: the output repeats spans of the input, what prompt lookup is for;
 - `random`: random token ids: n-grams rarely repeat, so proposals are few (the cost of looking).
+Prompts prefill in one step (`--max-num-batched-tokens`), so both engines split them alike: a different split
+changes float32 rounding, which int4 weights' int8 activation rounding can turn into a different greedy token in
+plain decoding too (seen at batch 32 with the default 2,048-token budget: 2 of 32 requests differ between budgets).
 Each workload runs at each `--batches` size (that many requests submitted together, `--rounds` times, new
 prompts each time). Reported: output tokens per second of both, their ratio, whether the tokens are identical
 (the exit status says so too), proposals and accepted tokens, and the mean acceptance length.
@@ -30,6 +33,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--doc-chars", type=int, default=1200, help="characters of each document in a grounded prompt")
     p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                   help="tokens per step (default: every batch's prompts prefill in one step; a smaller budget "
+                        "splits them where verification rows leave room, and under int4 weights a different "
+                        "split alone can change a greedy token, plain decoding included)")
     p.add_argument("--json", default="results/spec_decode.json")
 
 
@@ -68,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batches, --rounds and --max-tokens must be positive")
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
-    kw = dict(kv_cache_memory=args.kv_cache_memory, quantization=args.quantization, max_num_seqs=max(batches))
+    kw = dict(kv_cache_memory=args.kv_cache_memory, quantization=args.quantization, max_num_seqs=max(batches),
+              max_num_batched_tokens=args.max_num_batched_tokens)
     engines = {"plain": LLM(args.model, **kw), "ngram": LLM(args.model, speculative_config=spec, **kw)}
     warm = _prompts(engines["plain"], "random", 1, 999, 0)
     for llm in engines.values():

@@ -324,6 +324,7 @@ class LlamaModel(nn.Module):
         # int8 per output channel, whose kernel streams this large matrix faster here than a Q8_0 one did (1.5 ms
         # against 1.9-2.3 ms on the demo's 49,152 x 576 head, one thread).
         self.lm_head = (Int8Dense if quantization == "int4" else linear)(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.batch_invariant = True  # an int8 head: a sequence's logits do not depend on the step's rows
         self.max_positions = max_positions
         self.rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # a layer's rope_key -> (cos, sin)
         self.final_softcap: float | None = None  # logits = c * tanh(logits / c) where set (Gemma)

@@ -69,7 +69,14 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Dense(nn.Module):
-    """y = x W^T scale + b with W int8 [out, in] and float32 scale [out]: a weight-only quantized Dense."""
+    """y = x W^T scale + b with W int8 [out, in] and float32 scale [out]: a weight-only quantized Dense.
+
+    Above KERNEL_MAX_ROWS rows it dequantizes and runs a float32 GEMM, which sums in another order: a row's result
+    then depends on how many rows share the call. With `batch_invariant` (the LM head: its rows are the step's
+    logits rows, a few per sequence) every row goes through the kernel, KERNEL_MAX_ROWS rows a call, so that a
+    sequence's logits are the same whatever else is in the step (speculative verification adds rows)."""
+
+    batch_invariant = False
 
     def __init__(self, n_in: int, n_out: int, bias: bool) -> None:
         super().__init__()
@@ -79,10 +86,12 @@ class Int8Dense(nn.Module):
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = _kernel(x)
+        kernel = _kernel(x) if not self.batch_invariant else cpu_kernels.load() if x.is_cpu else None
         if kernel is not None:
             out = torch.empty(x.shape[0], self.out_features)
-            kernel.int8_linear(out, _as_f32(x), self.weight, self.scale)
+            xf = _as_f32(x)
+            for s in range(0, x.shape[0], KERNEL_MAX_ROWS):
+                kernel.int8_linear(out[s:s + KERNEL_MAX_ROWS], xf[s:s + KERNEL_MAX_ROWS], self.weight, self.scale)
         else:
             out = _blocked_matmul(x.float(), self.out_features,
                                   lambda rows: self.weight[rows].float() * self.scale[rows, None])

@@ -242,3 +242,26 @@ def test_int4_kernel_keeps_a_non_finite_activation_non_finite(bad):
     x[1, 70] = bad  # the engine fails a request whose logits are not finite: the kernel must not round this away
     out = layer(x)
     assert not out[1].isfinite().any() and out[[0, 2]].isfinite().all()
+
+
+def test_a_batch_invariant_int8_layer_gives_each_row_what_it_gives_it_alone():
+    """Above KERNEL_MAX_ROWS the layer dequantizes and sums in another order (a row's result depends on the rows
+    beside it); the LM head is batch invariant: the kernel, KERNEL_MAX_ROWS rows a call."""
+    g = torch.Generator().manual_seed(3)
+    layer = Int8Dense(128, 300, bias=True)
+    with torch.no_grad():
+        layer.load_rows(0, torch.randn(300, 128, generator=g))
+        layer.bias.copy_(torch.randn(300, generator=g))
+    x = torch.randn(3 * KERNEL_MAX_ROWS + 5, 128, generator=g)
+    layer.batch_invariant = True
+    whole = layer(x)
+    for rows in (slice(0, 1), slice(40, 43), slice(len(x) - 2, len(x))):
+        assert torch.equal(whole[rows], layer(x[rows]))
+    layer.batch_invariant = False
+    torch.testing.assert_close(layer(x), whole, atol=1e-4, rtol=1e-5)  # the same to rounding
+
+
+def test_the_lm_head_is_batch_invariant(tiny_model_dirs):
+    for q in ("int8", "int4"):
+        model = build_model(read_checkpoint(tiny_model_dirs["llama"]), 64, quantization=q)
+        assert isinstance(model.lm_head, Int8Dense) and model.lm_head.batch_invariant
