@@ -362,12 +362,13 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Each greedy decoding sequence's n-gram proposal for this step (engine/spec_decode.py); at most what its
-        max_tokens and max_model_len leave after the token the target adds."""
+        max_tokens and max_model_len leave after the token the target adds. A request with its own token eviction
+        does not speculate (its scores would count rejected queries)."""
         spec = self.spec
         off = spec.disable_by_batch_size is not None and len(self.scheduler.running) > spec.disable_by_batch_size
         for seq in self.scheduler.running:
             seq.draft = []
-            if off or seq.num_tokens - seq.num_computed_tokens != 1 or not seq.params.greedy:
+            if off or seq.num_tokens - seq.num_computed_tokens != 1 or not seq.params.greedy or seq.eviction:
                 continue
             k = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)

@@ -27,6 +27,8 @@ routed_scaling_factor scales them. The router runs in float32 (its weights stay 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -172,7 +174,6 @@ def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 def softmax_scale(cfg: PretrainedConfig) -> float:
     """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 where the RoPE scaling sets mscale_all_dim."""
-    import math
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
     params = getattr(cfg, "rope_parameters", None) or {}
     all_dim = params.get("mscale_all_dim", 0) if params.get("rope_type", "default") != "default" else 0

@@ -99,6 +99,22 @@ def test_no_proposals_above_disable_by_batch_size(tiny_llama):
         SpeculativeConfig.parse({**NGRAM, "disable_by_batch_size": 0})
 
 
+def test_a_request_with_its_own_eviction_does_not_speculate(tiny_llama):
+    from kvcache.compress.spec import EvictionSpec
+    prompts, _ = _workload(seed=8, n=2)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs = {}
+    for name, kw in (("plain", {}), ("spec", {"speculative_config": NGRAM})):
+        eng = LLM(tiny_llama, kv_cache_memory="8MiB", **kw).engine
+        eng.add_request("evicting", prompts[0], params, eviction=EvictionSpec("streaming", 32))
+        eng.add_request("other", prompts[1], params)
+        outs[name] = eng.run_to_completion()
+        eng.check_no_leaks()
+    assert {r: o.outputs[0].token_ids for r, o in outs["spec"].items()} == \
+        {r: o.outputs[0].token_ids for r, o in outs["plain"].items()}
+    assert eng.kv_cache_info()["spec_decode_num_drafts"] > 0  # the other request speculated
+
+
 def test_sampled_requests_do_not_speculate(tiny_llama):
     llm = LLM(tiny_llama, kv_cache_memory="8MiB", speculative_config=NGRAM)
     prompts, _ = _workload(seed=6, n=4)
