@@ -140,7 +140,8 @@ def print_kv_summary(engine, out=None) -> None:
               + (f"; {e['failed_batches']} batches failed" if e["failed_batches"] else ""), file=out)
     if info["speculative_config"]:
         drafts, proposed, accepted = (info[f"spec_decode_num_{k}"] for k in ("drafts", "draft_tokens", "accepted_tokens"))
-        mean = 1 + accepted / drafts if drafts else 0.0
+        from kvcache.engine.spec_decode import mean_acceptance_length
+        mean = mean_acceptance_length(drafts, accepted)
         print(f"speculate : {drafts:,} proposals of {proposed:,} tokens, {accepted:,} accepted "
               f"({accepted / proposed if proposed else 0:.0%}); mean acceptance length {mean:.2f} tokens per "
               "verifying step", file=out)

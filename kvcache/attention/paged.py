@@ -34,7 +34,7 @@ class Workspace:
 
 
 def gather_blocks(store, layer: int, block_ids: torch.Tensor, ws: Workspace, like: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of `block_ids` in the compute dtype: into reused buffers for an exact store, freshly
     dequantized (or widened) otherwise."""
     if not store.exact:

@@ -14,10 +14,11 @@ prompts each time). Reported: output tokens per second of both, their ratio, whe
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 from kvcache.bench.throughput import write_json
+from kvcache.bench.workload import random_workload
+from kvcache.engine.spec_decode import mean_acceptance_length
 
 INSTRUCTION = "Repeat the following text, fixing only its typos:\n\n"
 
@@ -42,10 +43,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def _prompts(llm, workload: str, n: int, offset: int, chars: int) -> list[list[int]]:
     if workload == "random":
-        rng = random.Random(offset)
-        vocab = llm.engine.model.config.vocab_size
         length = min(300, llm.engine.max_model_len // 2)
-        return [[rng.randrange(min(100, vocab // 2), vocab) for _ in range(length)] for _ in range(n)]
+        special = set(llm.engine.tokenizer.all_special_ids)
+        return random_workload(n, (length, length), (1, 1), llm.engine.model.config.vocab_size, offset, special).prompts
     from kvcache.eval.corpus import load_corpus
     docs = load_corpus()
     tok = llm.engine.tokenizer
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             offset += args.rounds * batch
             row["ratio"] = row["ngram_tok_s"] / row["plain_tok_s"]
             row["same_tokens"] = tokens["plain"] == tokens["ngram"]
-            row["mean_acceptance_length"] = 1 + row["accepted_tokens"] / row["drafts"] if row["drafts"] else 0.0
+            row["mean_acceptance_length"] = mean_acceptance_length(row["drafts"], row["accepted_tokens"])
             rows.append(row)
             print(f"{workload:>9} {batch:>6} {row['plain_tok_s']:>12.1f} {row['ngram_tok_s']:>12.1f} "
                   f"{row['ratio']:>6.2f}x {row['accepted_tokens']:>6}/{row['draft_tokens']:<7} "

@@ -27,10 +27,10 @@ from kvcache.engine.outputs import CompletionOutput, Request, RequestMetrics, Re
 from kvcache.engine.sampler import SamplingRow, sample
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.engine.scheduler import Scheduler
-from kvcache.engine.spec_decode import ngram_propose
 from kvcache.engine.sequence import Sequence
 from kvcache.engine.sizing import (kv_capacity, release_window, resolve_device_dtype, slow_half_precision,
                                    why_every_block_is_kept)
+from kvcache.engine.spec_decode import ngram_propose
 from kvcache.engine.stop_checker import StopChecker
 from kvcache.memory.block_pool import OutOfBlocksError
 from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
@@ -41,7 +41,7 @@ from kvcache.models.llama import layer_windows
 from kvcache.offload.offloader import make_offloader, offload_tiers
 from kvcache.plan.kv_bytes import KV_DTYPES, check_kv_format, kv_formula, residual_bytes_per_seq
 from kvcache.plan.shape import shape_from_config
-from kvcache.store.quantized_store import make_store
+from kvcache.store.quantized_store import check_latent_format, make_store
 
 log = logging.getLogger("kvcache")
 MAX_CACHE_SALT_CHARS = 256
@@ -96,10 +96,8 @@ class LLMEngine:
             self.kv_dtype = str(self.dtype).removeprefix("torch.")
         check_kv_format(self.shape, self.kv_dtype, config.block_size)  # before anything is loaded
         self._mla = "mla" in self.shape.layer_kinds
-        if self._mla and KV_DTYPES[self.kv_dtype].scales == "kivi":
-            raise ValueError(f"kv_cache_dtype {self.kv_dtype} (KIVI) quantizes keys per channel over 64-token groups "
-                             "and values per token; an MLA latent is both at once: use fp8 or int8 (one scale per "
-                             "token for the latent and its RoPE key)")
+        if self._mla:
+            check_latent_format(self.kv_dtype)  # before anything is loaded
         self._sliding = any(w is not None for w in layer_windows(hf))
         self.release_window = release_window(self.shape, config)
         self._kivi_group = KV_DTYPES[self.kv_dtype].group if KV_DTYPES[self.kv_dtype].scales == "kivi" else 0
@@ -494,6 +492,7 @@ class LLMEngine:
             self._isolated(child, "copying the KV blocks of its sample", self.store.copy_blocks, copies)
         now = time.monotonic()
         touched = set()
+        to_store: list[tuple[int, int | None, tuple[int, ...], int]] = []  # accepted blocks for the offload tiers
         at = 0
         for seq in seqs:
             pairs = results[at:at + 1 + len(seq.draft)]
@@ -507,8 +506,10 @@ class LLMEngine:
                 if self._append(seq, token, lp, now):
                     break
             if seq.draft and not seq.is_finished:
-                self._isolated(seq, "rolling back its rejected tokens", self._accept, seq, accepted)
+                self._isolated(seq, "rolling back its rejected tokens", self._accept, seq, accepted, to_store)
             seq.draft = []
+        if to_store:
+            self.offload.store(to_store)
         return touched
 
     def _append(self, seq: Sequence, token: int, lp: dict | None, now: float) -> bool:
@@ -546,14 +547,13 @@ class LLMEngine:
             per[i] += 1
         return accepted
 
-    def _accept(self, seq: Sequence, accepted: int) -> None:
+    def _accept(self, seq: Sequence, accepted: int, to_store: list[tuple[int, int | None, tuple[int, ...], int]]
+                ) -> None:
         """After verification: the accepted tokens' K/V (written this step) count as computed, their full blocks
-        join the prefix cache, and blocks that held only rejected tokens go back to the pool."""
+        join the prefix cache (and `to_store`, for the offload tiers), and blocks that held only rejected tokens go
+        back to the pool."""
         seq.num_computed_tokens += accepted
-        to_store: list[tuple[int, int | None, tuple[int, ...], int]] = []
         self._cache_blocks(seq, to_store)
-        if to_store:
-            self.offload.store(to_store)
         self.kv.trim(seq.seq_id, seq.num_tokens - seq.num_evicted)
 
     def _sampling_rows(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int], list[tuple[Sequence, Sequence]]]:

@@ -41,10 +41,12 @@ class ModelRunner:
         specs, sampled = [], []
         for seq, n in chunks:
             start = seq.num_computed_tokens
-            tokens = seq.token_ids + seq.draft if seq.draft else seq.token_ids
-            last = start + n == len(tokens)
+            tokens = seq.token_ids[start:start + n]
+            if seq.draft:  # a speculating decode: its last token, then the proposal
+                tokens = tokens + seq.draft[:n - len(tokens)]
+            last = start + n == seq.num_tokens + len(seq.draft)
             slot = start - seq.num_evicted
-            specs.append(seq_chunk(seq.seq_id, tokens[start:start + n], slot, self.kv.block_tables[seq.seq_id], last,
+            specs.append(seq_chunk(seq.seq_id, tokens, slot, self.kv.block_tables[seq.seq_id], last,
                                    self.kv.private_blocks.get(seq.seq_id, []), seq.eviction))
             if last:
                 if seq.draft:  # a speculating decode: every proposed token is verified, each row as a decode

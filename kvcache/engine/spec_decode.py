@@ -26,6 +26,7 @@ fp16 residual), token eviction (its scores would count rejected queries) and sli
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config must be a JSON object; {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown fields {unknown}; known: {sorted(known)}")
@@ -66,21 +67,27 @@ class SpeculativeConfig:
             raise ValueError("speculative_config method draft_model is not supported yet; use ngram")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}; got {method!r}")
-        k = value.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}; "
-                             f"got {k!r}")
+        k = _integer("num_speculative_tokens", value.get("num_speculative_tokens"), MAX_SPECULATIVE_TOKENS)
         hi, lo = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
         hi, lo = (5, 5) if hi is None and lo is None else (hi if hi is not None else lo, lo if lo is not None else hi)
-        for name, v in (("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"speculative_config {name} must be a positive integer; got {v!r}")
+        hi, lo = _integer("prompt_lookup_max", hi), _integer("prompt_lookup_min", lo)
         if lo > hi:
             raise ValueError(f"speculative_config prompt_lookup_min {lo} is above prompt_lookup_max {hi}")
         off = value.get("disable_by_batch_size")
-        if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 1):
-            raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer; got {off!r}")
-        return SpeculativeConfig(method, k, hi, lo, off)
+        return SpeculativeConfig(method, k, hi, lo, None if off is None else _integer("disable_by_batch_size", off))
+
+
+def _integer(name: str, v, most: int | None = None) -> int:
+    """`v` if it is an int in 1..most (a positive int where no `most`); ValueError naming the field otherwise."""
+    if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= (most or v):
+        return v
+    want = f"an integer in 1..{most}" if most else "a positive integer"
+    raise ValueError(f"speculative_config {name} must be {want}; got {v!r}")
+
+
+def mean_acceptance_length(drafts: float, accepted: float) -> float:
+    """Tokens a verifying step appends on average: the accepted proposed tokens and the model's own (0: none)."""
+    return 1 + accepted / drafts if drafts else 0.0
 
 
 def ngram_propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:

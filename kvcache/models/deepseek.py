@@ -36,7 +36,7 @@ from transformers import PretrainedConfig
 
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.attention.paged import Workspace, _attend, gather_blocks, paged_attention
-from kvcache.models.llama import CheckpointReader, Dense, LlamaModel, rms_norm
+from kvcache.models.llama import CheckpointReader, Dense, LlamaModel, apply_rope, rms_norm
 
 
 def _positive(cfg: PretrainedConfig, field: str, allow_none: bool = False) -> None:
@@ -167,13 +167,10 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 def softmax_scale(cfg: PretrainedConfig) -> float:
-    """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 where the RoPE scaling sets mscale_all_dim."""
+    """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 where the RoPE scaling sets mscale_all_dim
+    (transformers' yarn_apply_mscale, written out: importing its modeling module at start-up imports triton before
+    TRITON_INTERPRET can be set)."""
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
     params = getattr(cfg, "rope_parameters", None) or {}
     all_dim = params.get("mscale_all_dim", 0) if params.get("rope_type", "default") != "default" else 0
@@ -230,7 +227,7 @@ class MLALayer(nn.Module):
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleaved:
             x = _deinterleave(x)
-        return _rotate_halves(x.to(cos.dtype), cos, sin).to(x.dtype)
+        return apply_rope(x.to(cos.dtype), cos, sin).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, store, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,6 +250,7 @@ class MLALayer(nn.Module):
                    ) -> torch.Tensor:
         """[T, H, v_head_dim]: absorbed over the cache for decode rows and cached-prefix chunks, expanded for fresh
         prefill chunks (every row when `expanded`)."""
+        expanded = batch.prefills if self.expanded else [p for p in batch.prefills if p.block_ids is None]
         absorbed = [] if self.expanded else [p for p in batch.prefills if p.block_ids is not None]
         if not self.expanded and (batch.decode_groups or absorbed):
             q_abs = torch.cat((torch.bmm(q[..., :self.nope].transpose(0, 1), self.w_uk).transpose(0, 1),
@@ -264,9 +262,7 @@ class MLALayer(nn.Module):
             out = torch.empty(q.shape[0], self.num_heads, self.v_dim, dtype=q.dtype, device=q.device)
         if self.expanded:
             self._expanded_decode(out, q, store, batch, ws, latent)
-        for p in batch.prefills:
-            if p.block_ids is not None and not self.expanded:
-                continue
+        for p in expanded:
             rows = slice(p.start, p.start + p.length)
             lat = latent[rows, 0] if p.block_ids is None else \
                 gather_blocks(store, self.index, p.block_ids, ws, latent)[0].flatten(0, 1)[:, 0]

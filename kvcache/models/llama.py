@@ -83,7 +83,7 @@ def _rope_tables(cfg: PretrainedConfig, max_positions: int, layer_type: str | No
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE; cos/sin in x's dtype (computed in float32, cast once per step, as transformers does)."""
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -215,7 +215,7 @@ class DecoderLayer(nn.Module):
         """RoPE of x [T, heads, hd]: in place through the C++ kernel (x is a view of this step's q/k/v product), or
         into a new tensor."""
         if self.kernels is None:
-            return _rotate(x, cos, sin)
+            return apply_rope(x, cos, sin)
         self.kernels.rope_(x, cos.squeeze(1), sin.squeeze(1))
         return x
 
@@ -324,7 +324,8 @@ class LlamaModel(nn.Module):
         # int8 per output channel, whose kernel streams this large matrix faster here than a Q8_0 one did (1.5 ms
         # against 1.9-2.3 ms on the demo's 49,152 x 576 head, one thread).
         self.lm_head = (Int8Dense if quantization == "int4" else linear)(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head.batch_invariant = True  # an int8 head: a sequence's logits do not depend on the step's rows
+        if isinstance(self.lm_head, Int8Dense):  # a sequence's logits do not depend on the step's other rows
+            self.lm_head.batch_invariant = True
         self.max_positions = max_positions
         self.rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # a layer's rope_key -> (cos, sin)
         self.final_softcap: float | None = None  # logits = c * tanh(logits / c) where set (Gemma)

@@ -14,6 +14,8 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvcache.engine.spec_decode import mean_acceptance_length
+
 PREFIX = "kvcache:"
 # When a figure deserves a warning. Fractions are 0..1; lengths are tokens.
 THRESHOLDS = {
@@ -226,7 +228,7 @@ def render_snapshot(snapshot: dict) -> str:
     if s.get("spec_drafts"):
         drafts, proposed, accepted = s["spec_drafts"], s.get("spec_draft_tokens") or 0, s.get("spec_accepted_tokens") or 0
         rows.append(("Speculation", f"{_num(drafts)} proposals   accepted {_num(accepted)} of {_num(proposed)} tokens   "
-                                    f"mean acceptance length {1 + accepted / drafts:.2f}"))
+                                    f"mean acceptance length {mean_acceptance_length(drafts, accepted):.2f}"))
     lines = [f"kvcache top  {s.get('url', '')}  ({window})", ""]
     lines += [f"{name:<14} {value}" for name, value in rows]
     warns = warnings_for(s)

@@ -46,6 +46,15 @@ class KiviPlan:
     resid_write: torch.Tensor  # [W * E] fp16 element indices they go to
 
 
+def check_latent_format(dtype: str) -> None:
+    """ValueError unless `dtype` can store an MLA latent: KIVI (int4, int2) quantizes keys and values differently."""
+    spec = kv_dtype(dtype)
+    if spec.scales == "kivi":
+        raise ValueError(f"kv_cache_dtype {spec.name} (KIVI) quantizes keys per channel over {spec.group}-token groups "
+                         "and values per token; an MLA latent is both at once: use fp8 or int8 (one scale per token "
+                         "for the latent and its RoPE key)")
+
+
 class QuantizedKVStore:
     """KV blocks stored as codes plus fp16 scales (and zero points for int4/int2).
 
@@ -61,9 +70,8 @@ class QuantizedKVStore:
         spec = kv_dtype(dtype)
         if spec.scales == "none":
             raise ValueError(f"{dtype} is not a quantized format; use KVStore")
-        if latent and spec.scales == "kivi":
-            raise ValueError(f"{spec.name} (KIVI) quantizes keys per channel over 64-token groups and values per token; "
-                             "an MLA latent is both at once: use an fp8 or int8 cache (one scale per token)")
+        if latent:
+            check_latent_format(spec.name)
         self.latent = latent
         self.dtype, self.block_size, self.num_blocks = spec.name, block_size, num_blocks
         self.num_kv_heads, self.head_dim, self.compute_dtype = num_kv_heads, head_dim, compute_dtype
