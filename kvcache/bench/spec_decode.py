@@ -1,4 +1,4 @@
-"""`kvcache bench spec-decode`: n-gram speculative decoding against plain decoding, greedy, in one process.
+"""`kvcache bench spec-decode`: n-gram speculative decoding against plain decoding, in one process.
 
 Two engines on the same model and settings, one with `speculative_config` (method ngram), run the same prompts:
 - `grounded`: the shipped corpus's documents (Python docstrings), each in a chat prompt asking for it back with its
@@ -8,7 +8,8 @@ Prompts prefill in one step (`--max-num-batched-tokens`), so both engines split 
 changes float32 rounding, which int4 weights' int8 activation rounding can turn into a different greedy token in
 plain decoding too (seen at batch 32 with the default 2,048-token budget: 2 of 32 requests differ between budgets).
 Each workload runs at each `--batches` size (that many requests submitted together, `--rounds` times, new
-prompts each time). Reported: output tokens per second of both, their ratio, whether the tokens are identical
+prompts each time), greedy or, with `--temperature`, sampled with a seed per request (speculation draws the
+tokens plain decoding draws from the same seed, so they are compared too). Reported: output tokens per second of both, their ratio, whether the tokens are identical
 (the exit status says so too), proposals and accepted tokens, and the mean acceptance length.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,8", help="requests submitted together")
     p.add_argument("--rounds", type=int, default=2, help="batches of new prompts per size")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, seeded per request")
     p.add_argument("--doc-chars", type=int, default=1200, help="characters of each document in a grounded prompt")
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384,
@@ -58,9 +60,11 @@ def _prompts(llm, workload: str, n: int, offset: int, chars: int) -> list[list[i
     return out
 
 
-def _run(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[list[int]]]:
+def _run(llm, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0, seed: int = 0
+         ) -> tuple[float, int, list[list[int]]]:
     from kvcache.engine.sampling_params import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens, ignore_eos=True)
+              for i in range(len(prompts))]
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t
@@ -82,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     for llm in engines.values():
         _run(llm, warm, 8)
     rows, offset = [], 0
-    print(f"n-gram speculation {spec} against plain decoding, greedy, {args.quantization} weights, "
+    how = f"temperature {args.temperature:g}, seeded" if args.temperature else "greedy"
+    print(f"n-gram speculation {spec} against plain decoding, {how}, {args.quantization} weights, "
           f"{args.max_tokens} tokens per request")
     print(f"{'workload':>9} {'batch':>6} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>7} {'accepted':>14} "
           f"{'mean len':>9} {'tokens':>10}")
@@ -96,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 tokens[name] = []
                 for r in range(args.rounds):
                     prompts = _prompts(llm, workload, batch, offset + r * batch, args.doc_chars)
-                    e, n, t = _run(llm, prompts, args.max_tokens)
+                    e, n, t = _run(llm, prompts, args.max_tokens, args.temperature, offset + r * batch)
                     elapsed, produced = elapsed + e, produced + n
                     tokens[name] += t
                 after = llm.kv_cache_info()
@@ -112,6 +117,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"{workload:>9} {batch:>6} {row['plain_tok_s']:>12.1f} {row['ngram_tok_s']:>12.1f} "
                   f"{row['ratio']:>6.2f}x {row['accepted_tokens']:>6}/{row['draft_tokens']:<7} "
                   f"{row['mean_acceptance_length']:>9.2f} {'identical' if row['same_tokens'] else 'DIFFER':>10}")
-    write_json(args.json, {"speculative_config": spec, "quantization": args.quantization,
+    write_json(args.json, {"speculative_config": spec, "quantization": args.quantization, "temperature": args.temperature,
                            "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows})
     return 0 if all(r["same_tokens"] for r in rows) else 1

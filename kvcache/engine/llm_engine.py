@@ -24,7 +24,7 @@ from kvcache.engine.eviction import Evictor, seq_chunk
 from kvcache.engine.kv_events import ZmqEventPublisher
 from kvcache.engine.model_runner import ModelRunner
 from kvcache.engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, request_output
-from kvcache.engine.sampler import SamplingRow, sample
+from kvcache.engine.sampler import SamplingRow, sample, skip_draws
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.sequence import Sequence
@@ -359,14 +359,14 @@ class LLMEngine:
         return self._collect_outputs(touched)
 
     def _propose(self) -> None:
-        """Each greedy decoding sequence's n-gram proposal for this step (engine/spec_decode.py); at most what its
+        """Each decoding sequence's n-gram proposal for this step (engine/spec_decode.py); at most what its
         max_tokens and max_model_len leave after the token the target adds. A request with its own token eviction
         does not speculate (its scores would count rejected queries)."""
         spec = self.spec
         off = spec.disable_by_batch_size is not None and len(self.scheduler.running) > spec.disable_by_batch_size
         for seq in self.scheduler.running:
             seq.draft = []
-            if off or seq.num_tokens - seq.num_computed_tokens != 1 or not seq.params.greedy or seq.eviction:
+            if off or seq.num_tokens - seq.num_computed_tokens != 1 or seq.eviction:
                 continue
             k = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)
@@ -476,6 +476,9 @@ class LLMEngine:
                 outputs.append(seq.output_token_ids + seq.draft[:j] if seq.draft else None)
         batch_logits = logits if row_ids == list(range(logits.shape[0])) else \
             logits.index_select(0, torch.tensor(row_ids).to(logits.device, non_blocking=True))
+        # a seeded speculating sequence's generator, before its rows draw (rewound to what its accepted rows drew)
+        rewind = {seq.seq_id: seq.generator.get_state() for seq in seqs
+                  if seq.draft and seq.generator is not None and not seq.params.greedy}
         results = self._sample(row_seqs, batch_logits, outputs)
         for parent, child in forks:
             if parent.is_finished or child.is_finished:  # its request failed
@@ -502,9 +505,13 @@ class LLMEngine:
                 seq.draft = []
                 continue
             accepted = self._verify(seq, pairs) if seq.draft else 0
+            appended = 0
             for token, lp in pairs[:accepted + 1]:
+                appended += 1
                 if self._append(seq, token, lp, now):
                     break
+            if seq.seq_id in rewind:
+                skip_draws(seq.generator, rewind[seq.seq_id], appended)
             if seq.draft and not seq.is_finished:
                 self._isolated(seq, "rolling back its rejected tokens", self._accept, seq, accepted, to_store)
             seq.draft = []

@@ -270,12 +270,27 @@ def _draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> to
         _put(u, unseeded, torch.rand(len(unseeded), 1, dtype=u.dtype))
     for j, g in enumerate(generators):
         if g is not None:
-            u[j] = torch.rand(1, generator=g, dtype=u.dtype, device=g.device).cpu()
+            u[j] = _uniform(g, u.dtype)
     u = u.to(total.device, non_blocking=True)
     # u * total can round up to total, which no entry of cum exceeds.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     # The first entry above target: zero-weight tokens add nothing to cum, so they never are.
     return torch.searchsorted(cum, target, right=True).squeeze(1)
+
+
+def _uniform(generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """The one number a seeded row draws from its generator (on the host)."""
+    return torch.rand(1, generator=generator, dtype=dtype, device=generator.device).cpu()
+
+
+def skip_draws(generator: torch.Generator, state: torch.Tensor, draws: int, dtype: torch.dtype = torch.float32
+               ) -> None:
+    """Put `generator` back to `state` and past `draws` sampled rows' numbers, as if only those rows had been
+    drawn (speculative decoding: the rows after the first rejected proposal are discarded, so a seeded request's
+    later tokens are those plain decoding draws)."""
+    generator.set_state(state)
+    for _ in range(draws):
+        _uniform(generator, dtype)
 
 
 def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None) -> None:

@@ -1,13 +1,21 @@
 """Speculative decoding with n-gram prompt lookup (vLLM's `ngram` method), verified inside the continuous batch.
 
-Each step, before scheduling, a decoding sequence whose request is greedy looks for the last n of its tokens
-(n from prompt_lookup_max down to prompt_lookup_min) earlier in its prompt and output, most recent match first,
-and proposes up to num_speculative_tokens tokens that followed it. The scheduler gives it 1 + k tokens (its last
-token and the proposal) like a short prefill chunk, in the same step as plain decodes and prefills; the step keeps
-the logits of all 1 + k rows. Verification (engine): the target's token at each row, with the proposal before it
-counted as output (penalties, min_tokens), is compared to the proposal; the longest agreeing run is accepted,
-plus the target's token after it, so a step appends 1 to k + 1 tokens and every one is the token plain greedy
-decoding would have produced.
+Each step, before scheduling, a decoding sequence looks for the last n of its tokens (n from prompt_lookup_max down
+to prompt_lookup_min) earlier in its prompt and output, most recent match first, and proposes up to
+num_speculative_tokens tokens that followed it. The scheduler gives it 1 + k tokens (its last token and the
+proposal) like a short prefill chunk, in the same step as plain decodes and prefills; the step keeps the logits of
+all 1 + k rows. Verification (engine): row j's token is sampled as plain decoding would sample it with draft[:j]
+counted as output (penalties, min_tokens, the request's temperature, top-k/top-p/min-p); the longest run of rows
+whose token equals the proposal is accepted, plus the token of the row after it, so a step appends 1 to k + 1
+tokens.
+
+Why that is exact for sampled requests too: the proposal is one token per position, a proposal distribution q that
+puts all its mass on it. The standard rule (accept d with probability min(1, p(d)/q(d)) = p(d); on rejection draw
+from the residual max(0, p - q) normalised, which is p without d) gives each token the target's probability p;
+drawing x from p and accepting iff x = d is that rule (x = d has probability p(d); otherwise x is distributed as p
+without d). Greedy is the case where p is one-hot. A seeded request's generator is put back after verification to
+where the rows it kept leave it (sampler.skip_draws), so its tokens are the very tokens plain decoding draws from
+the same seed, not only the same distribution.
 
 KV rollback: the rows of rejected tokens were written to slots past the sequence's accepted length. Those slots
 are overwritten before anything reads them (attention reads a sequence's first num_computed_tokens slots), the
@@ -19,10 +27,9 @@ longer bound by reading the weights and the rows cost more than the accepted tok
 spec-decode`: a loss at batch 8 on two CPU cores); `disable_by_batch_size` (vLLM's) stops proposing while more
 sequences than that are running.
 
-Sampled requests (temperature > 0) decode one token a step: the rejection-sampling rule that keeps their
-distribution is not built yet. Refused with speculation: KIVI caches (int4/int2: a rejected key would stay in the
-fp16 residual), token eviction (its scores would count rejected queries) and sliding windows that give blocks back
-(a rejected token's window moves too far).
+Refused with speculation: KIVI caches (int4/int2: a rejected key would stay in the fp16 residual), token eviction
+(its scores would count rejected queries) and sliding windows that give blocks back (a rejected token's window
+moves too far).
 """
 from __future__ import annotations
 

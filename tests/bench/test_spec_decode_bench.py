@@ -1,18 +1,22 @@
 import argparse
 import json
 
+import pytest
+
 from kvcache.bench import spec_decode
 
 
-def test_the_benchmark_compares_ngram_with_plain_decoding(tiny_llama, tmp_path):
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_the_benchmark_compares_ngram_with_plain_decoding(tiny_llama, tmp_path, temperature):
     p = argparse.ArgumentParser()
     spec_decode.add_args(p)
     out = tmp_path / "sd.json"
     args = p.parse_args(["--model", tiny_llama, "--quantization", "none", "--batches", "1,3", "--rounds", "1",
                          "--max-tokens", "24", "--kv-cache-memory", "16MiB", "--prompt-lookup-min", "1",
-                         "--json", str(out)])
-    assert spec_decode.run(args) == 0  # identical greedy tokens in every row
+                         "--temperature", temperature, "--json", str(out)])
+    assert spec_decode.run(args) == 0  # identical tokens in every row (sampled: seeded, the same draws)
     r = json.loads(out.read_text())
+    assert r["temperature"] == float(temperature)
     assert [(row["workload"], row["batch"]) for row in r["rows"]] == [("grounded", 1), ("grounded", 3),
                                                                       ("random", 1), ("random", 3)]
     for row in r["rows"]:
