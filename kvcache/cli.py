@@ -64,7 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-topic", default="", help="the ZeroMQ topic of the KV events (default: none)")
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, vLLM\'s fields: \'{"method": "ngram", "num_speculative_tokens": '
-                        '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (greedy requests speculate; see README)')
+                        '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": '
+                        'PATH, "num_speculative_tokens": 4, "quantization": "int4"}\' (see README)')
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="recompute: a preempted request's KV is freed and prefilled again when it resumes; swap: it "
                         "goes to the cpu tier (--kv-offload-memory), else the disk tier, and comes back (recompute "

@@ -53,3 +53,30 @@ def demo_hf(demo_path):
 def demo_llm(demo_path):
     from kvcache import LLM
     return LLM(demo_path, kv_cache_memory="256MiB", max_model_len=2048)
+
+
+def _scaled_norm(src: str, directory, factor: float) -> str:
+    """A copy of the tiny llama at `src` with its final norm scaled by `factor` (its logits too)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, directory, dirs_exist_ok=True)
+    weights = directory / "model.safetensors"
+    w = load_file(weights)
+    w["model.norm.weight"] = w["model.norm.weight"] * factor
+    save_file(w, weights, metadata={"format": "pt"})
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def sharp_llama(tiny_llama, tmp_path_factory) -> str:
+    """The tiny llama with its final norm scaled 40x: its next-token distributions are as peaked as a trained
+    model's (the random one's are nearly flat over 320 ids, so a sampled proposal would almost never be accepted
+    and a test of sampled speculation would test nothing)."""
+    return _scaled_norm(tiny_llama, tmp_path_factory.mktemp("sharp_llama"), 40)
+
+
+@pytest.fixture(scope="session")
+def blunt_llama(tiny_llama, tmp_path_factory) -> str:
+    """The same scaled 10x: sharp_llama's distributions at 4x the temperature, a draft for it that is often
+    right and often wrong (its rejections' residual carries much of the output's probability)."""
+    return _scaled_norm(tiny_llama, tmp_path_factory.mktemp("blunt_llama"), 10)

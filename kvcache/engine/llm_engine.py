@@ -20,11 +20,13 @@ import torch
 from kvcache.attention.backend import resolve_backend
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
+from kvcache.engine.draft import DraftProposer, read_draft
 from kvcache.engine.eviction import Evictor, seq_chunk
 from kvcache.engine.kv_events import ZmqEventPublisher
 from kvcache.engine.model_runner import ModelRunner
 from kvcache.engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, request_output
-from kvcache.engine.sampler import SamplingRow, sample, skip_draws
+from kvcache.engine.sampler import (SamplingRow, logprob_dicts, probabilities, rejection_sample, sample,
+                                    skip_draws)
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.sequence import Sequence
@@ -91,6 +93,8 @@ class LLMEngine:
         if self.max_model_len > model_len:
             raise ValueError(f"max_model_len {self.max_model_len:,} exceeds the model's context length {model_len:,}")
         self.shape = shape_from_config(hf.to_dict(), name=loaded.source)
+        spec = config.speculative
+        draft = read_draft(spec.model, loaded, self.max_model_len) if spec and spec.method == "draft_model" else None
         self.kv_dtype = config.kv_cache_dtype
         if self.kv_dtype == "auto":
             self.kv_dtype = str(self.dtype).removeprefix("torch.")
@@ -113,8 +117,12 @@ class LLMEngine:
         self.event_publisher = ZmqEventPublisher(self.kv_events, config.kv_events_endpoint, config.kv_events_topic) \
             if self.kv_events else None  # before the model loads too: an endpoint in use is refused first
         self.model = build_model(loaded, self.max_model_len, self.device, self.dtype, config.quantization)
+        self.drafter = None if draft is None else DraftProposer(
+            draft, self.max_model_len, self.device, self.dtype, self.kv_dtype,
+            spec.quantization or config.quantization, self.backend)
         self.budget, self.capacity = kv_capacity(config, self.device, self.model, self.shape, self.kv_dtype,
-                                                 self.max_model_len, self.backend)
+                                                 self.max_model_len, self.backend,
+                                                 self.drafter.bytes_per_token if self.drafter else 0)
         # One more physical block than the budget buys: block 0, the null block that pads tables.
         self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size,
                                  config.prefix_caching_algo if config.enable_prefix_caching else None,
@@ -137,6 +145,8 @@ class LLMEngine:
                              "(a rejected token would move the window past blocks still needed); use "
                              "--prefix-caching-algo radix to keep every block")
         self.runner = ModelRunner(self.model, self.store, self.kv, self.device, self.backend)
+        if self.drafter is not None:
+            self.drafter.make_cache(self.capacity.num_blocks + 1, config.block_size)
         self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.shape.num_kv_heads,
                                self.model.layers[0].scale, self.device)
         self.eos_token_ids = self._eos_ids(hf)
@@ -303,6 +313,8 @@ class LLMEngine:
             return False
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
+            if self.drafter is not None:
+                self.drafter.free(seq.seq_id)
         self._count_finished("abort")
         return True
 
@@ -359,19 +371,26 @@ class LLMEngine:
         return self._collect_outputs(touched)
 
     def _propose(self) -> None:
-        """Each decoding sequence's n-gram proposal for this step (engine/spec_decode.py); at most what its
-        max_tokens and max_model_len leave after the token the target adds. A request with its own token eviction
-        does not speculate (its scores would count rejected queries)."""
+        """Each decoding sequence's proposal for this step (n-gram: engine/spec_decode.py; the draft model, batched:
+        engine/draft.py); at most what its max_tokens and max_model_len leave after the token the target adds. A
+        request with its own token eviction does not speculate (its scores would count rejected queries)."""
         spec = self.spec
         off = spec.disable_by_batch_size is not None and len(self.scheduler.running) > spec.disable_by_batch_size
+        wanted = []
         for seq in self.scheduler.running:
-            seq.draft = []
+            seq.draft, seq.draft_probs = [], None
             if off or seq.num_tokens - seq.num_computed_tokens != 1 or seq.eviction:
                 continue
             k = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)
-            if k > 0:
+            if k <= 0:
+                continue
+            if self.drafter is None:
                 seq.draft = ngram_propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            else:
+                wanted.append((seq, k))
+        if wanted:
+            self.drafter.propose(wanted, self._sampler_eos)
 
     def _run(self, chunks: list[tuple[Sequence, int]]) -> set[str]:
         """The forward of the scheduled `chunks`, then each sequence's bookkeeping (prefix caching, eviction,
@@ -469,17 +488,21 @@ class LLMEngine:
         # Logits rows: 1 + len(draft) per sampled sequence, in order; a fork samples from its parent's (a prompt's)
         first = list(itertools.accumulate([1 + len(s.draft) for s in sampled], initial=0))
         row_seqs, row_ids, outputs = [], [], []
+        drawn = {}  # a sampled draft-model proposal's rows go to the rejection rule, not the plain draw
         for seq, i in zip(seqs, rows):
+            if seq.draft and seq.draft_probs is not None:
+                drawn[seq.seq_id] = self._rejection_sample(seq, logits[first[i]:first[i] + 1 + len(seq.draft)])
+                continue
             for j in range(1 + len(seq.draft)):  # a speculating sequence: row j verifies draft[j] (draft[:j] before it)
                 row_seqs.append(seq)
                 row_ids.append(first[i] + j)
                 outputs.append(seq.output_token_ids + seq.draft[:j] if seq.draft else None)
         batch_logits = logits if row_ids == list(range(logits.shape[0])) else \
-            logits.index_select(0, torch.tensor(row_ids).to(logits.device, non_blocking=True))
+            logits.index_select(0, torch.tensor(row_ids, dtype=torch.long).to(logits.device, non_blocking=True))
         # a seeded speculating sequence's generator, before its rows draw (rewound to what its accepted rows drew)
-        rewind = {seq.seq_id: seq.generator.get_state() for seq in seqs
-                  if seq.draft and seq.generator is not None and not seq.params.greedy}
-        results = self._sample(row_seqs, batch_logits, outputs)
+        rewind = {seq.seq_id: seq.generator.get_state() for seq in seqs if seq.draft and seq.generator is not None
+                  and not seq.params.greedy and seq.seq_id not in drawn}
+        results = self._sample(row_seqs, batch_logits, outputs) if row_seqs else []
         for parent, child in forks:
             if parent.is_finished or child.is_finished:  # its request failed
                 continue
@@ -498,13 +521,16 @@ class LLMEngine:
         to_store: list[tuple[int, int | None, tuple[int, ...], int]] = []  # accepted blocks for the offload tiers
         at = 0
         for seq in seqs:
-            pairs = results[at:at + 1 + len(seq.draft)]
-            at += len(pairs)
+            if seq.seq_id in drawn:
+                pairs, accepted = drawn[seq.seq_id]
+            else:
+                pairs = results[at:at + 1 + len(seq.draft)]
+                at += len(pairs)
+                accepted = self._verify(seq, pairs) if seq.draft and not seq.is_finished else 0
             touched.add(seq.request_id)
             if seq.is_finished:
                 seq.draft = []
                 continue
-            accepted = self._verify(seq, pairs) if seq.draft else 0
             appended = 0
             for token, lp in pairs[:accepted + 1]:
                 appended += 1
@@ -514,7 +540,7 @@ class LLMEngine:
                 skip_draws(seq.generator, rewind[seq.seq_id], appended)
             if seq.draft and not seq.is_finished:
                 self._isolated(seq, "rolling back its rejected tokens", self._accept, seq, accepted, to_store)
-            seq.draft = []
+            seq.draft, seq.draft_probs = [], None
         if to_store:
             self.offload.store(to_store)
         return touched
@@ -544,6 +570,31 @@ class LLMEngine:
         accepted = 0
         while accepted < len(seq.draft) and pairs[accepted][0] == seq.draft[accepted]:
             accepted += 1
+        self._count_accepted(seq, accepted)
+        return accepted
+
+    def _rejection_sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[tuple[int, dict | None]], int]:
+        """A sampled draft-model proposal verified by speculative sampling's rule (sampler.rejection_sample) on
+        the target's distributions of its 1 + k rows (`logits`): the (token, logprobs) pairs to append and how many
+        proposed tokens were accepted; ([(-1, None)], 0) with the request failed if its logits are not finite."""
+        req = self.requests[seq.request_id]
+        if not bool(torch.isfinite(logits).all()):
+            self._fail(req, "the model produced non-finite logits (NaN or inf) for this sequence")
+            return [(-1, None)], 0
+        k, out = len(seq.draft), seq.output_token_ids
+        rows = [SamplingRow(seq.params, None, seq.prompt_token_ids, out + seq.draft[:j]) for j in range(k + 1)]
+        try:
+            target = probabilities(logits, rows, self._sampler_eos)
+            tokens, accepted = rejection_sample(target, seq.draft_probs[:k], seq.draft, seq.generator)
+            count = seq.params.logprobs
+            lps = [None] * len(tokens) if count is None else logprob_dicts(logits[:len(tokens)], tokens, count)
+        except Exception as e:
+            self._fail(req, "the engine failed while sampling this request's next token", e)
+            return [(-1, None)], 0
+        self._count_accepted(seq, accepted)
+        return list(zip(tokens, lps)), accepted
+
+    def _count_accepted(self, seq: Sequence, accepted: int) -> None:
         st = self.stats
         st.spec_drafts += 1
         st.spec_draft_tokens += len(seq.draft)
@@ -552,7 +603,6 @@ class LLMEngine:
         per.extend([0] * (len(seq.draft) - len(per)))
         for i in range(accepted):
             per[i] += 1
-        return accepted
 
     def _accept(self, seq: Sequence, accepted: int, to_store: list[tuple[int, int | None, tuple[int, ...], int]]
                 ) -> None:
@@ -621,6 +671,8 @@ class LLMEngine:
         self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
 
     def _collect_outputs(self, touched: set[str]) -> list[RequestOutput]:
+        if self.drafter is not None:  # the draft's blocks of sequences that finished or were preempted go back
+            self.drafter.retain({s.seq_id for s in self.scheduler.running})
         outs = []
         for rid in touched | self._failed:
             req = self.requests[rid]
@@ -726,6 +778,7 @@ class LLMEngine:
             "spec_decode_num_draft_tokens": self.stats.spec_draft_tokens,
             "spec_decode_num_accepted_tokens": self.stats.spec_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.stats.spec_accepted_per_position),
+            "draft_model": self.drafter.info() if self.drafter else None,
             "offload": self.offload.info() if self.offload else None,
             "kv_events": self.event_publisher.info() if self.event_publisher else None,
         }
@@ -754,6 +807,8 @@ class LLMEngine:
         """
         if self.requests:
             return
+        if self.drafter is not None:
+            self.drafter.check_no_leaks()
         kv, pool = self.kv, self.kv.pool
         tree = kv.radix.num_blocks if kv.radix else 0
         held = sum(pool.ref_counts)

@@ -54,6 +54,10 @@ class ModelRunner:
                 sampled.append(seq)
         return sampled, self._forward(specs), specs
 
+    def forward(self, specs: list[SeqChunk]) -> torch.Tensor:
+        """Run chunks whose blocks are allocated; fp32 logits of each chunk's last num_logits rows, in order."""
+        return self._forward(specs)
+
     def run_chunk(self, chunk: SeqChunk, logit_rows: range) -> torch.Tensor:
         """Run one chunk of a sequence whose blocks are allocated; fp32 logits of `logit_rows` (chunk rows)."""
         return self._forward([chunk], logit_rows)

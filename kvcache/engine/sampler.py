@@ -234,29 +234,90 @@ def _penalized(p: SamplingParams) -> bool:
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Draw a token for each row of logits (owned: modified in place); returns ids [len(rows)]."""
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    for idx, weights, ids in _weights(logits, rows):
+        pos = _draw(weights, [rows[j].generator for j in idx])
+        _put(tokens, idx, pos if ids is None else ids.gather(1, pos[:, None]).squeeze(1))
+    return tokens
+
+
+def _weights(logits: torch.Tensor, rows: list[SamplingRow]
+             ) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
+    """What each row of logits (owned: modified in place) is drawn from, after temperature, top-k, top-p and
+    min-p: (row indices, unnormalised weights, their token ids or None where the weights cover the vocabulary)."""
     vocab = logits.shape[1]
     temperature = _dev([r.params.temperature for r in rows], logits.device, logits.dtype)
     # The row's maximum is subtracted before dividing by the temperature, so that no logit can overflow to
     # +inf (and inf - inf to NaN): the most likely token gets 0, every other one a finite or -inf value.
     logits.sub_(logits.amax(-1, keepdim=True)).div_(temperature[:, None])
-    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-
     truncated, plain = [], []
     for j, r in enumerate(rows):
         p = r.params
         (truncated if 0 < p.top_k < vocab or p.top_p < 1 else plain).append(j)
+    out = []
     if plain:
         # Weights relative to the most likely token (its logit is 0 now), so min-p is a plain threshold on them.
         w = _take(logits, plain).exp_()
         if any(rows[j].params.min_p > 0 for j in plain):
             min_p = _dev([rows[j].params.min_p for j in plain], w.device, w.dtype)
             w.masked_fill_(w < min_p[:, None], 0)
-        _put(tokens, plain, _draw(w, [rows[j].generator for j in plain]))
+        out.append((plain, w, None))
     if truncated:
-        weights, ids = truncate(_take(logits, truncated).softmax(-1), [rows[j].params for j in truncated])
-        pos = _draw(weights, [rows[j].generator for j in truncated])
-        _put(tokens, truncated, ids.gather(1, pos[:, None]).squeeze(1))
-    return tokens
+        out.append((truncated, *truncate(_take(logits, truncated).softmax(-1), [rows[j].params for j in truncated])))
+    return out
+
+
+def probabilities(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None = None) -> torch.Tensor:
+    """The distribution `sample` draws each row's token from, [len(rows), vocab] float32, rows summing to 1:
+    penalties and min_tokens masking, then argmax (one-hot) for greedy rows or temperature, top-k, top-p and
+    min-p. Rows must be finite (the caller checks). The logits are not modified."""
+    logits = logits.float().clone()
+    if any(_penalized(r.params) or len(r.output_token_ids) < r.params.min_tokens for r in rows):
+        fmax = torch.finfo(logits.dtype).max
+        logits = apply_penalties(logits, rows).clamp_(-fmax, fmax)
+        _mask_stop_tokens(logits, rows, eos_token_id)
+    probs = torch.zeros_like(logits)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        g = _dev(greedy, logits.device)
+        probs[g, logits[g].argmax(-1)] = 1.0
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        for idx, weights, ids in _weights(_take(logits, sampled), [rows[i] for i in sampled]):
+            at = _dev([sampled[j] for j in idx], logits.device)
+            weights = weights / weights.sum(-1, keepdim=True)
+            if ids is None:
+                probs[at] = weights
+            else:
+                probs[at] = torch.zeros(len(idx), logits.shape[1], dtype=probs.dtype,
+                                        device=probs.device).scatter_(1, ids, weights)
+    return probs
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of probabilities [rows, vocab] (not modified), seeded rows from their generators."""
+    return _draw(probs.clone(), generators).tolist()
+
+
+def rejection_sample(target: torch.Tensor, proposal: torch.Tensor, draft: list[int],
+                     generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Speculative sampling's rule (Leviathan et al., Chen et al.): proposed token draft[j], drawn from
+    proposal[j], is accepted with probability min(1, target[j][d] / proposal[j][d]); at the first rejection a token is
+    drawn from the normalised residual max(0, target[j] - proposal[j]) and the rest dropped; if every one is
+    accepted, a last token is drawn from target[k]. target: [k + 1, vocab], proposal: [k, vocab]. Returns the tokens
+    to append (1..k + 1) and how many proposed ones were accepted; each has the target's distribution."""
+    k = len(draft)
+    d = torch.tensor(draft, device=target.device)
+    p, q = target[:k].gather(1, d[:, None]).squeeze(1), proposal[:k].gather(1, d[:, None]).squeeze(1)
+    u = torch.rand(k, generator=generator, dtype=p.dtype, device="cpu" if generator is None else generator.device)
+    ok = (u.to(p.device) * q < p).tolist()  # u < p / q, without dividing by a q that rounds to 0
+    accepted = ok.index(False) if False in ok else k
+    if accepted == k:
+        return draft + draw(target[k:], [generator]), k
+    residual = (target[accepted] - proposal[accepted]).clamp_(min=0)
+    if not float(residual.sum()) > 0:  # target equals proposal here (a rejection is then a rounding's)
+        residual = target[accepted].clone()
+    return draft[:accepted] + draw(residual[None], [generator]), accepted
 
 
 def _draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -319,6 +380,13 @@ def _positions(rows: list[int], tokens: list[list[int]], vocab: int,
         raise ValueError(f"token ids must be in [0, {vocab}), got {int(flat.min())}..{int(flat.max())}")
     owner = torch.arange(len(tokens), device=device).repeat_interleave(_dev(lengths, device), output_size=total)
     return _dev(rows, device)[owner] * vocab + flat.to(device, non_blocking=True), owner
+
+
+def logprob_dicts(logits: torch.Tensor, tokens: list[int], count: int) -> list[dict[int, float]]:
+    """Per row of raw logits: {tokens[i]: its logprob, and the `count` most likely ids: theirs} (vLLM's logprobs,
+    of the model's distribution)."""
+    return _logprob_dicts(logits.float().log_softmax(-1), torch.tensor(tokens, device=logits.device),
+                          [count] * len(tokens))
 
 
 def _logprob_dicts(logprobs: torch.Tensor, sampled: torch.Tensor, counts: list[int]) -> list[dict[int, float]]:

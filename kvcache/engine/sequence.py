@@ -41,6 +41,9 @@ class Sequence:
     prefix_counted: bool = False  # its prefix lookup has been counted in the hit rate
     eviction: EvictionState | None = None  # its eviction policy's state, if it has one
     draft: list[int] = field(default_factory=list)  # tokens proposed for this step (speculative decoding)
+    # a sampled request's draft-model proposal: row j is the distribution draft[j] was drawn from ([k, vocab]);
+    # None where each proposed token is the proposer's one choice (n-gram, greedy)
+    draft_probs: torch.Tensor | None = None
 
     @property
     def max_cached_prefix(self) -> int | None:

@@ -136,10 +136,12 @@ def portable_attention_bytes(config: EngineConfig, shape: ModelShape, max_model_
 
 
 def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, shape: ModelShape, kv_dtype: str,
-                max_model_len: int, backend: str = "torch") -> tuple[KVBudget, CacheCapacity]:
+                max_model_len: int, backend: str = "torch", draft_bytes_per_token: int = 0
+                ) -> tuple[KVBudget, CacheCapacity]:
     """The budget and what it buys in `kv_dtype` with attention `backend`; ValueError if a budget computed from the
     device cannot hold one request of max_model_len tokens (a given one is the user's choice: such requests are
-    refused one by one)."""
+    refused one by one). With a draft model (`draft_bytes_per_token` > 0) the budget holds both caches with as
+    many blocks each (vLLM's way): the capacity returned is the target's share."""
     per_token = kv_bytes_per_token(shape, kv_dtype)
     compute_bytes = model.compute_dtype.itemsize
 
@@ -147,7 +149,20 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
         return 0 if backend != "torch" else portable_attention_bytes(config, shape, max_model_len, compute_bytes,
                                                                      budget // per_token)
     budget = kv_budget(config, device, model, portable)
-    capacity = cache_capacity(shape, kv_dtype, budget.bytes, config.block_size, max_model_len,
+    if draft_bytes_per_token:
+        both = config.block_size * (per_token + draft_bytes_per_token)
+        if budget.bytes < both:
+            raise ValueError(f"KV cache budget of {budget.bytes:,} bytes{budget.how} holds no block of the target "
+                             f"and the draft model together ({config.block_size} tokens x ({per_token:,} + "
+                             f"{draft_bytes_per_token:,}) bytes = {both:,} bytes): raise --kv-cache-memory, or use a "
+                             "smaller draft model")
+        share = budget.bytes * per_token // (per_token + draft_bytes_per_token)
+        budget = KVBudget(budget.bytes, f"{budget.how}; with the draft model's cache: {share / GiB:,.2f} GiB the "
+                          f"target's, {(budget.bytes - share) / GiB:,.2f} GiB the draft's, as many blocks each",
+                          budget.derived)
+    else:
+        share = budget.bytes
+    capacity = cache_capacity(shape, kv_dtype, share, config.block_size, max_model_len,
                               release=release_window(shape, config) is not None)
     one_request = -(-max_model_len // config.block_size) + capacity.seq_blocks
     if budget.derived and capacity.num_blocks < one_request:

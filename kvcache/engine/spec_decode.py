@@ -1,4 +1,6 @@
-"""Speculative decoding with n-gram prompt lookup (vLLM's `ngram` method), verified inside the continuous batch.
+"""Speculative decoding, verified inside the continuous batch: n-gram prompt lookup (vLLM's `ngram` method, here)
+or a draft model (`draft_model`, engine/draft.py: a smaller checkpoint with the target's tokenizer proposes its
+most likely tokens; verified as below).
 
 Each step, before scheduling, a decoding sequence looks for the last n of its tokens (n from prompt_lookup_max down
 to prompt_lookup_min) earlier in its prompt and output, most recent match first, and proposes up to
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -50,6 +52,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     disable_by_batch_size: int | None = None  # no proposals while more sequences than this are running
+    model: str | None = None  # draft_model: the draft checkpoint (a directory or GGUF with the target's tokenizer)
+    quantization: str | None = None  # draft_model: its linear layers (None: as the target's --quantization)
 
     @staticmethod
     def parse(value) -> SpeculativeConfig | None:
@@ -69,19 +73,38 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown fields {unknown}; known: {sorted(known)}")
-        method = value.get("method", "ngram")
-        if method == "draft_model":
-            raise ValueError("speculative_config method draft_model is not supported yet; use ngram")
+        method = value.get("method", "draft_model" if value.get("model") is not None else "ngram")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}; got {method!r}")
         k = _integer("num_speculative_tokens", value.get("num_speculative_tokens"), MAX_SPECULATIVE_TOKENS)
+        off = value.get("disable_by_batch_size")
+        off = None if off is None else _integer("disable_by_batch_size", off)
+        if method == "draft_model":
+            return SpeculativeConfig._draft(value, k, off)
+        for name in ("model", "quantization"):
+            if value.get(name) is not None:
+                raise ValueError(f"speculative_config {name} is a draft_model field; method ngram has no model")
         hi, lo = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
         hi, lo = (5, 5) if hi is None and lo is None else (hi if hi is not None else lo, lo if lo is not None else hi)
         hi, lo = _integer("prompt_lookup_max", hi), _integer("prompt_lookup_min", lo)
         if lo > hi:
             raise ValueError(f"speculative_config prompt_lookup_min {lo} is above prompt_lookup_max {hi}")
-        off = value.get("disable_by_batch_size")
-        return SpeculativeConfig(method, k, hi, lo, None if off is None else _integer("disable_by_batch_size", off))
+        return SpeculativeConfig(method, k, hi, lo, off)
+
+    @staticmethod
+    def _draft(value: dict, k: int, off: int | None) -> SpeculativeConfig:
+        from kvcache.config import WEIGHT_QUANTIZATIONS as QUANTIZATIONS
+        model, quant = value.get("model"), value.get("quantization")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"speculative_config method draft_model needs model (the draft checkpoint's path); "
+                             f"got {model!r}")
+        lookup = sorted(n for n in ("prompt_lookup_max", "prompt_lookup_min") if value.get(n) is not None)
+        if lookup:
+            raise ValueError(f"speculative_config {', '.join(lookup)} are ngram fields; method draft_model has none")
+        if quant is not None and quant not in QUANTIZATIONS:
+            raise ValueError(f"speculative_config quantization must be one of {', '.join(QUANTIZATIONS)}; "
+                             f"got {quant!r}")
+        return SpeculativeConfig("draft_model", k, 0, 0, off, model, quant)
 
 
 def _integer(name: str, v, most: int | None = None) -> int:

@@ -6,20 +6,23 @@ import pytest
 from kvcache.bench import spec_decode
 
 
-@pytest.mark.parametrize("temperature", ["0", "0.8"])
-def test_the_benchmark_compares_ngram_with_plain_decoding(tiny_llama, tmp_path, temperature):
+@pytest.mark.parametrize("method, temperature", [("ngram", "0"), ("ngram", "0.8"), ("draft_model", "0.8")])
+def test_the_benchmark_compares_speculation_with_plain_decoding(tiny_llama, tmp_path, method, temperature):
     p = argparse.ArgumentParser()
     spec_decode.add_args(p)
     out = tmp_path / "sd.json"
-    args = p.parse_args(["--model", tiny_llama, "--quantization", "none", "--batches", "1,3", "--rounds", "1",
+    args = p.parse_args(["--model", tiny_llama, "--method", method, "--draft-quantization", "int8", "--quantization", "none", "--batches", "1,3", "--rounds", "1",
                          "--max-tokens", "24", "--kv-cache-memory", "16MiB", "--prompt-lookup-min", "1",
                          "--temperature", temperature, "--json", str(out)])
     assert spec_decode.run(args) == 0  # identical tokens in every row (sampled: seeded, the same draws)
     r = json.loads(out.read_text())
     assert r["temperature"] == float(temperature)
+    assert r["speculative_config"]["method"] == method
+    if method == "draft_model":  # the target's checkpoint, its weights int8
+        assert (r["speculative_config"]["model"], r["speculative_config"]["quantization"]) == (tiny_llama, "int8")
     assert [(row["workload"], row["batch"]) for row in r["rows"]] == [("grounded", 1), ("grounded", 3),
                                                                       ("random", 1), ("random", 3)]
     for row in r["rows"]:
-        assert row["plain_tok_s"] > 0 and row["ngram_tok_s"] > 0
+        assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0
         assert 0 <= row["accepted_tokens"] <= row["draft_tokens"]
     assert sum(row["drafts"] for row in r["rows"]) > 0

@@ -486,3 +486,50 @@ def test_greedy_ids_are_torch_argmax_and_non_finite_rows_are_named(kernel, n, vo
         for i in range(n):
             if finite[i] and rows[i].params.greedy:
                 assert result.token_ids[i] == expected[i]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.0, top_k=3), dict(temperature=1.0, top_p=0.8),
+    dict(temperature=1.0, min_p=0.2), dict(temperature=1.3, top_k=4, top_p=0.9), dict(temperature=0),
+])
+def test_probabilities_are_the_distribution_sample_draws_from(kw):
+    """sampler.probabilities (what speculative sampling's rule compares) is the slow reference's distribution,
+    row by row in a mixed batch, and the logits are left as they were."""
+    logits = torch.tensor([[1.0, 2.0, 0.5, -1.0, 1.7], [0.3, -0.2, 2.5, 2.4, 0.0]])
+    before = logits.clone()
+    got = sampler.probabilities(logits, [row(**kw), row(**kw)])
+    assert torch.equal(logits, before)
+    for i in range(2):
+        want = torch.nn.functional.one_hot(logits[i].argmax(), 5).double() if kw["temperature"] == 0 else \
+            expected_probs(logits[i], **kw)
+        torch.testing.assert_close(got[i].double(), want, atol=1e-6, rtol=1e-5)
+
+
+def test_probabilities_apply_penalties_and_min_tokens():
+    logits = torch.tensor([[1.0, 2.0, 0.5, -1.0, 1.7]])
+    r = row(output=[1, 1], frequency_penalty=0.5, min_tokens=3, temperature=1.0)
+    got = sampler.probabilities(logits, [r], eos_token_id=4)
+    want = torch.tensor([1.0, 2.0 - 1.0, 0.5, -1.0, float("-inf")]).softmax(-1)  # id 1 seen twice; EOS masked
+    torch.testing.assert_close(got[0], want)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rejection_sampling_keeps_the_target_distribution(seed):
+    """Speculative sampling's rule on one position: tokens proposed from q and verified against p come out with
+    p's frequencies (chi-square at 4 degrees of freedom below its 0.04% point), and the acceptance rate is
+    sum(min(p, q))."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(5, generator=g).softmax(-1) ** 3
+    p /= p.sum()
+    q = torch.rand(5, generator=g).softmax(-1)
+    n, counts, accepted = 6000, torch.zeros(5), 0
+    proposals = torch.multinomial(q, n, replacement=True, generator=g).tolist()
+    for d in proposals:
+        tokens, a = sampler.rejection_sample(torch.stack([p, p]), q[None], [d], g)
+        counts[tokens[0]] += 1
+        accepted += a
+    want = p * n
+    chi2 = ((counts - want) ** 2 / want).sum().item()
+    assert chi2 < 20.5, (counts.tolist(), want.tolist())
+    rate = torch.minimum(p, q).sum().item()
+    assert abs(accepted / n - rate) < 4 * (rate * (1 - rate) / n) ** 0.5

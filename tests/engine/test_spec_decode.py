@@ -115,22 +115,6 @@ def test_a_request_with_its_own_eviction_does_not_speculate(tiny_llama):
     assert eng.kv_cache_info()["spec_decode_num_drafts"] > 0  # the other request speculated
 
 
-@pytest.fixture(scope="module")
-def sharp_llama(tiny_llama, tmp_path_factory) -> str:
-    """The tiny llama with its final norm scaled 40x: its next-token distributions are as peaked as a trained
-    model's (the random one's are nearly flat over 320 ids, so a sampled proposal would almost never be accepted
-    and a test of sampled speculation would test nothing)."""
-    import shutil
-    from safetensors.torch import load_file, save_file
-    path = tmp_path_factory.mktemp("sharp_llama")
-    shutil.copytree(tiny_llama, path, dirs_exist_ok=True)
-    weights = path / "model.safetensors"
-    w = load_file(weights)
-    w["model.norm.weight"] = w["model.norm.weight"] * 40
-    save_file(w, weights, metadata={"format": "pt"})
-    return str(path)
-
-
 SAMPLED = {
     "temperature": dict(temperature=1.0),
     "top-k-top-p-min-p": dict(temperature=0.8, top_k=8, top_p=0.9, min_p=0.02),
@@ -301,8 +285,11 @@ def test_ngram_proposals():
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "draft_model is not supported yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "draft_model needs model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "/m"}, "model is a draft_model field"),
+    ({"model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "prompt_lookup_max are ngram fields"),
+    ({"model": "/m", "num_speculative_tokens": 2, "quantization": "q3"}, "quantization must be one of none"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer in 1..16; got None"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "in 1..16; got 17"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "in 1..16; got 0"),
@@ -320,6 +307,8 @@ def test_bad_configs_are_refused(value, message):
 def test_config_defaults_follow_vllm():
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}') == SpeculativeConfig("ngram", 3, 5, 5)
     assert SpeculativeConfig.parse({"num_speculative_tokens": 3, "prompt_lookup_max": 4}).prompt_lookup_min == 4
+    # a model and no method: draft_model, as vLLM infers it
+    assert SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 3}).method == "draft_model"
 
 
 @pytest.mark.parametrize("kwargs, message", [
