@@ -146,6 +146,11 @@ def print_kv_summary(engine, out=None) -> None:
         print(f"speculate : {drafts:,} proposals of {proposed:,} tokens, {accepted:,} accepted "
               f"({accepted / proposed if proposed else 0:.0%}); mean acceptance length {mean:.2f} tokens per "
               "verifying step", file=out)
+        if info.get("draft_model"):
+            d = info["draft_model"]
+            print(f"draft     : {d['model']}: {d['weight_bytes'] / 2**30:.2f} GiB of weights, its KV cache "
+                  f"{d['num_blocks']:,} blocks = {d['kv_bytes'] / 2**30:.2f} GiB (as many blocks as the pool's, "
+                  "from the same budget)", file=out)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -69,6 +69,19 @@ def test_generate_several_prompts_and_engine_flags(tiny_llama, capsys):
     assert "this run  : 5 prompt + 6 generated tokens" in out
 
 
+def test_generate_with_a_draft_model_prints_its_share(tiny_llama, capsys):
+    """Speculation's line and the draft's: 2 MiB for both caches of the same shape, 128 blocks each."""
+    expected = _expected_generate(tiny_llama, "w5 w6 w7 w5 w6 w7 w5", max_tokens=12, ignore_eos=True)
+    spec = f'{{"model": "{tiny_llama}", "num_speculative_tokens": 3}}'
+    rc = main(["generate", "--model", tiny_llama, "--prompt", "w5 w6 w7 w5 w6 w7 w5", "--max-tokens", "12",
+               "--ignore-eos", "--kv-cache-memory", "2MiB", "--speculative-config", spec])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and out.splitlines()[0] == expected.text
+    assert "pool      : 128 blocks x 16 tokens" in out
+    assert "speculate : " in out and " accepted (" in out
+    assert f"draft     : {tiny_llama}: 0.00 GiB of weights, its KV cache 128 blocks = 0.00 GiB" in out
+
+
 def _assert_one_line_error(rc: int, err: str, *fragments: str) -> None:
     assert rc == 2
     assert "Traceback" not in err

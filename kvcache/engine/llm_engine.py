@@ -349,7 +349,14 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         self._failed = set()
         if self.spec is not None:
-            self._propose()
+            try:
+                self._propose()
+            except Exception:  # no request to blame (a draft forward failed): this step does not speculate
+                log.exception("proposing speculative tokens failed; this step decodes without them")
+                for seq in self.scheduler.running:
+                    seq.draft, seq.draft_probs = [], None
+                if self.drafter is not None:
+                    self.drafter.retain(set())  # its caches may be half written: every sequence starts over
         try:
             sched = self.scheduler.schedule()
         except Exception as e:  # its bookkeeping may be half done: fail what it was working on

@@ -8,7 +8,8 @@ import random
 import shutil
 
 import pytest
-from test_spec_decode import DISTRIBUTIONS, _chi_square_threshold, _greedy, _two_sample_chi_square, _workload
+from test_spec_decode import (DISTRIBUTIONS, _chi_square_threshold, _greedy, _two_sample_chi_square, _workload,
+                              interleaved_workload, step_with_aborts)
 
 from kvcache import LLM, SamplingParams
 from tiny_models import make_tiny_model
@@ -112,11 +113,7 @@ def test_aborts_preemptions_and_a_full_draft_pool_leak_nothing(tiny_llama, monke
     """Stepped by hand with aborts, a pool small enough to preempt, and a draft pool that refuses some
     allocations (those sequences decode plainly that step): every greedy output that finishes is plain decoding's
     and both pools get every block back."""
-    prompts, max_tokens = _workload(seed=9, n=16, outputs=(40, 100))
-    params = [SamplingParams(temperature=0.7 if i % 3 == 2 else 0, seed=i, max_tokens=m, ignore_eos=True)
-              for i, m in enumerate(max_tokens)]
-    plain = [o.outputs[0].token_ids for o in LLM(tiny_llama, kv_cache_memory="8MiB").generate(
-        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    prompts, params, plain = interleaved_workload(tiny_llama)
     eng = LLM(tiny_llama, kv_cache_memory=2 * 48 * 8 * 512, block_size=8, max_num_batched_tokens=64,
               speculative_config=_draft(tiny_llama)).engine
     rng = random.Random(2)
@@ -129,24 +126,12 @@ def test_aborts_preemptions_and_a_full_draft_pool_leak_nothing(tiny_llama, monke
             return False
         return allocate(seq_id, num_tokens, prefix)
     monkeypatch.setattr(eng.drafter.kv, "allocate", flaky)
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        eng.add_request(f"r{i}", p, sp)
-    done, aborted = {}, set()
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0].token_ids
-        if rng.random() < 0.08:
-            live = sorted(r for r in eng.requests if r not in done)
-            if live:
-                aborted.add(live[rng.randrange(len(live))])
-                eng.abort_request(max(aborted))
-    eng.check_no_leaks()
+    done = step_with_aborts(eng, prompts, params, rng, 0.08)
     assert refused and eng.kv_cache_info()["num_preemptions"] > 0
-    checked = [i for i in range(len(prompts)) if f"r{i}" in done and f"r{i}" not in aborted]
+    checked = [i for i in range(len(prompts)) if f"r{i}" in done]
     assert len(checked) >= 6
     for i in checked:  # sampled ones draw the draft's tokens first: their length only
-        assert done[f"r{i}"] == plain[i] if i % 3 != 2 else len(done[f"r{i}"]) == max_tokens[i], i
+        assert done[f"r{i}"] == plain[i] if i % 3 != 2 else len(done[f"r{i}"]) == params[i].max_tokens, i
 
 
 def _copy(src: str, dst, edit_config=None, edit_tokenizer=None) -> str:
@@ -197,3 +182,20 @@ def test_a_budget_that_holds_no_block_of_both_is_refused_with_the_numbers(tiny_l
     with pytest.raises(ValueError, match=r"holds no block of the target and the draft model together \(16 tokens x "
                                          r"\(512 \+ 512\) bytes = 16,384 bytes\)"):
         LLM(tiny_llama, kv_cache_memory=12_000, speculative_config=_draft(tiny_llama))
+
+
+def test_a_failing_draft_forward_costs_a_step_its_proposals_not_the_requests(tiny_llama, monkeypatch):
+    prompts, max_tokens = _workload(seed=5, n=4)
+    plain = _greedy(LLM(tiny_llama, kv_cache_memory="8MiB"), prompts, max_tokens)
+    llm = LLM(tiny_llama, kv_cache_memory="16MiB", speculative_config=_draft(tiny_llama))
+    forward, calls = llm.engine.drafter.runner.forward, []
+
+    def failing(specs):
+        calls.append(len(specs))
+        if len(calls) % 3 == 0:
+            raise RuntimeError("injected draft failure")
+        return forward(specs)
+    monkeypatch.setattr(llm.engine.drafter.runner, "forward", failing)
+    assert _greedy(llm, prompts, max_tokens) == plain
+    assert len(calls) >= 6 and llm.kv_cache_info()["spec_decode_num_accepted_tokens"] > 0
+    llm.engine.drafter.check_no_leaks()

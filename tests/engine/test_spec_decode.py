@@ -226,18 +226,20 @@ def test_stops_inside_an_accepted_run_and_the_length_limits(tiny_llama):
     spec.engine.check_no_leaks()
 
 
-def test_interleaved_requests_aborts_and_preemptions_leak_nothing(tiny_llama):
-    """Speculating greedy and seeded sampled requests, aborts mid-way and a pool small enough to preempt, stepped
-    by hand: every output that finishes equals plain decoding's, and every block comes back."""
+def interleaved_workload(tiny_llama) -> tuple[list[list[int]], list[SamplingParams], list[list[int]]]:
+    """16 prompts, every third sampled (seeded) and the rest greedy, 40-100 tokens each, and plain decoding's
+    outputs of them."""
     prompts, max_tokens = _workload(seed=9, n=16, outputs=(40, 100))
     params = [SamplingParams(temperature=0.7 if i % 3 == 2 else 0, seed=i, max_tokens=m, ignore_eos=True)
               for i, m in enumerate(max_tokens)]
     plain = [o.outputs[0].token_ids for o in LLM(tiny_llama, kv_cache_memory="8MiB").generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    llm = LLM(tiny_llama, kv_cache_memory=48 * 8 * 512, block_size=8, max_num_batched_tokens=64,
-              speculative_config=NGRAM)
-    eng = llm.engine
-    rng = random.Random(1)
+    return prompts, params, plain
+
+
+def step_with_aborts(eng, prompts, params, rng: random.Random, p_abort: float) -> dict[str, list[int]]:
+    """Add the requests r0, r1, ... and step `eng` until done, aborting a random live request after a step with
+    probability `p_abort`; the outputs of those that finished unaborted. Checks that no block leaks."""
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)
     done, aborted = {}, set()
@@ -245,7 +247,7 @@ def test_interleaved_requests_aborts_and_preemptions_leak_nothing(tiny_llama):
         for o in eng.step():
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
-        if rng.random() < 0.1:
+        if rng.random() < p_abort:
             live = sorted(r for r in eng.requests if r not in done)
             if live:
                 victim = rng.choice(live)
@@ -253,8 +255,18 @@ def test_interleaved_requests_aborts_and_preemptions_leak_nothing(tiny_llama):
                 aborted.add(victim)
     eng.check_no_leaks()
     assert eng.kv.num_free_blocks == eng.kv.pool.num_usable
+    return {r: t for r, t in done.items() if r not in aborted}
+
+
+def test_interleaved_requests_aborts_and_preemptions_leak_nothing(tiny_llama):
+    """Speculating greedy and seeded sampled requests, aborts mid-way and a pool small enough to preempt, stepped
+    by hand: every output that finishes equals plain decoding's, and every block comes back."""
+    prompts, params, plain = interleaved_workload(tiny_llama)
+    eng = LLM(tiny_llama, kv_cache_memory=48 * 8 * 512, block_size=8, max_num_batched_tokens=64,
+              speculative_config=NGRAM).engine
+    done = step_with_aborts(eng, prompts, params, random.Random(1), 0.1)
     assert eng.kv_cache_info()["num_preemptions"] > 0
-    checked = [i for i in range(len(prompts)) if f"r{i}" in done and f"r{i}" not in aborted]
+    checked = [i for i in range(len(prompts)) if f"r{i}" in done]
     assert len(checked) >= 6 and any(i % 3 == 2 for i in checked)  # greedy and seeded sampled ones
     for i in checked:
         assert done[f"r{i}"] == plain[i], i
