@@ -13,7 +13,9 @@ changes float32 rounding, which int4 weights' int8 activation rounding can turn 
 plain decoding too (seen at batch 32 with the default 2,048-token budget: 2 of 32 requests differ between budgets).
 Each workload runs at each `--batches` size (that many requests submitted together, `--rounds` times, new
 prompts each time), greedy or, with `--temperature`, sampled with a seed per request. Reported: output tokens per
-second of both, their ratio, proposals and accepted tokens, the mean acceptance length, and whether the tokens are
+second of both, their ratio, proposals and accepted tokens, the mean acceptance length, the share of the
+speculating engine's time spent proposing (n-gram lookups found or not, draft forwards: a step without a proposal
+costs a plain step plus its lookup), and whether the tokens are
 identical: they must be for greedy requests and for seeded n-gram ones (speculation draws the numbers plain
 decoding draws; the exit status says whether they are); a draft model's sampled proposals take numbers from the
 request's generator first, so its tokens are other draws from the same distribution ("other draws").
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"speculation {spec} against plain decoding, {how}, {args.quantization} weights, "
           f"{args.max_tokens} tokens per request")
     print(f"{'workload':>9} {'batch':>6} {'plain tok/s':>12} {'spec tok/s':>12} {'ratio':>7} {'accepted':>14} "
-          f"{'mean len':>9} {'tokens':>11}")
+          f"{'mean len':>9} {'proposing':>10} {'tokens':>11}")
     for workload in ("grounded", "random"):
         for batch in batches:
             row = {"workload": workload, "batch": batch}
@@ -125,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
                 if name == "spec":
                     for key in ("drafts", "draft_tokens", "accepted_tokens"):
                         row[key] = after[f"spec_decode_num_{key}"] - before[f"spec_decode_num_{key}"]
+                    # what looking costs, found or not: a step without a proposal is a plain step plus this
+                    row["propose_share"] = (after["spec_decode_propose_seconds"]
+                                            - before["spec_decode_propose_seconds"]) / elapsed
             offset += args.rounds * batch
             row["ratio"] = row["spec_tok_s"] / row["plain_tok_s"]
             row["same_tokens"] = tokens["plain"] == tokens["spec"]
@@ -133,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
             print(f"{workload:>9} {batch:>6} {row['plain_tok_s']:>12.1f} {row['spec_tok_s']:>12.1f} "
                   f"{row['ratio']:>6.2f}x {row['accepted_tokens']:>6}/{row['draft_tokens']:<7} "
-                  f"{row['mean_acceptance_length']:>9.2f} {'identical' if row['same_tokens'] else 'DIFFER' if must_match else 'other draws':>11}")
+                  f"{row['mean_acceptance_length']:>9.2f} {row['propose_share']:>10.1%} "
+                  f"{'identical' if row['same_tokens'] else 'DIFFER' if must_match else 'other draws':>11}")
     write_json(args.json, {"speculative_config": spec, "quantization": args.quantization, "temperature": args.temperature,
                            "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows})
     return 0 if all(r["same_tokens"] or not r["tokens_must_match"] for r in rows) else 1

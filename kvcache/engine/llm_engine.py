@@ -69,6 +69,7 @@ class EngineStats:
     spec_draft_tokens: int = 0  # tokens proposed and verified
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_accepted_per_position: list[int] = field(default_factory=list)  # [i]: proposals whose token i was accepted
+    spec_propose_seconds: float = 0.0  # spent proposing (n-gram lookups, draft forwards), found or not
     peak_used_blocks: int = 0
 
 
@@ -349,6 +350,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         self._failed = set()
         if self.spec is not None:
+            started = time.perf_counter()
             try:
                 self._propose()
             except Exception:  # no request to blame (a draft forward failed): this step does not speculate
@@ -357,6 +359,7 @@ class LLMEngine:
                     seq.draft, seq.draft_probs = [], None
                 if self.drafter is not None:
                     self.drafter.retain(set())  # its caches may be half written: every sequence starts over
+            self.stats.spec_propose_seconds += time.perf_counter() - started
         try:
             sched = self.scheduler.schedule()
         except Exception as e:  # its bookkeeping may be half done: fail what it was working on
@@ -785,6 +788,7 @@ class LLMEngine:
             "spec_decode_num_draft_tokens": self.stats.spec_draft_tokens,
             "spec_decode_num_accepted_tokens": self.stats.spec_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.stats.spec_accepted_per_position),
+            "spec_decode_propose_seconds": self.stats.spec_propose_seconds,
             "draft_model": self.drafter.info() if self.drafter else None,
             "offload": self.offload.info() if self.offload else None,
             "kv_events": self.event_publisher.info() if self.event_publisher else None,

@@ -25,4 +25,5 @@ def test_the_benchmark_compares_speculation_with_plain_decoding(tiny_llama, tmp_
     for row in r["rows"]:
         assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0
         assert 0 <= row["accepted_tokens"] <= row["draft_tokens"]
+        assert 0 < row["propose_share"] < 1
     assert sum(row["drafts"] for row in r["rows"]) > 0
