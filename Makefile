@@ -16,10 +16,14 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# The tests start their own redis-server (the offload tier's); install Debian's when it is missing.
+# The tests start their own redis-server (the offload tier's) and drive Debian's headless Chromium (the KV page's
+# browser test); install them when they are missing.
 services:
 	@command -v redis-server >/dev/null || { echo "installing redis-server (the tests start one)"; \
 		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q redis-server; else sudo apt-get install -y -q redis-server; fi; }
+	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { echo "installing chromium and \
+		chromium-driver (the KV page's browser test)"; if [ "$$(id -u)" = 0 ]; then apt-get install -y -q chromium \
+		chromium-driver; else sudo apt-get install -y -q chromium chromium-driver; fi; }
 
 demo: install
 	$(VENV)/bin/kvcache chat --message "In three sentences, what does a KV cache store and why does it grow?" --max-tokens 128

@@ -249,6 +249,7 @@ class Scheduler:
             self.waiting.remove(seq)
             if not seq.prefix_counted and seq.index == 0:  # once per request, at admission (vLLM's counting)
                 seq.prefix_counted = True
+                seq.num_cached_tokens = cached
                 self.kv.record_lookup(seq.num_tokens, cached)
             seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING

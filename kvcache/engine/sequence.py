@@ -39,6 +39,7 @@ class Sequence:
     forked: bool = False
     extra_key: tuple = ()  # prefix-cache extra keys: (cache_salt,) when the request has one
     prefix_counted: bool = False  # its prefix lookup has been counted in the hit rate
+    num_cached_tokens: int = 0  # prompt tokens found cached (pool or tiers) at its first admission
     eviction: EvictionState | None = None  # its eviction policy's state, if it has one
     draft: list[int] = field(default_factory=list)  # tokens proposed for this step (speculative decoding)
     # a sampled request's draft-model proposal: row j is the distribution draft[j] was drawn from ([k, vocab]);

@@ -34,6 +34,7 @@ class BlockPool:
         self._free: dict[int, None] = dict.fromkeys(range(1, num_blocks))  # insertion order = LRU order
         self.keys: list[BlockKey | None] = [None] * num_blocks  # what a cached block holds
         self.generation = [0] * num_blocks  # bumped each time a block is handed out anew
+        self.hits = [0] * num_blocks  # prefix-cache hits on a block since it was last handed out anew
         self._cached: dict[int, int] = {}  # chain hash -> block
         self.num_evictions = 0  # cached blocks that lost their identity to a new allocation
         self.events: KVEventLog | None = None  # records blocks that stop being findable (KV events), if set
@@ -65,6 +66,7 @@ class BlockPool:
                 self.keys[b] = None
                 self.num_evictions += 1
             self.generation[b] += 1
+            self.hits[b] = 0
             self.ref_counts[b] = 1
             blocks.append(b)
         if evicted and self.events is not None:

@@ -181,6 +181,8 @@ class KVCacheManager:
         table = self.block_tables.get(seq_id)
         if table is None:
             table = self.block_tables[seq_id] = list(prefix)
+            for b in prefix:  # a sequence starting from cached blocks: a hit on each (the KV page shows them)
+                self.pool.hits[b] += 1
             if prefix:
                 entry = self._seqs[seq_id]
                 entry.num_cached = len(prefix)

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from kvcache.engine.llm_engine import RequestOutput
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.messages import describe
+from kvcache.server import kv_page
 from kvcache.server.engine_loop import EngineDeadError, EngineLoop
 from kvcache.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, validation_error)
@@ -32,14 +33,18 @@ DISCONNECT_POLL_S = 0.5
 
 
 def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = None,
-              max_waiting_requests: int = 512, max_body_bytes: int = 4 * 2**20) -> FastAPI:
-    """The FastAPI application over a running EngineLoop."""
+              max_waiting_requests: int = 512, max_body_bytes: int = 4 * 2**20, kv_page_on: bool = True,
+              kv_page_show_text: bool = False) -> FastAPI:
+    """The FastAPI application over a running EngineLoop (with the KV page, server/kv_page.py, unless
+    `kv_page_on` is False)."""
     app = FastAPI(title="kvcache", docs_url=None, redoc_url=None, openapi_url=None)
     engine = loop.engine
     tokenizer = engine.tokenizer
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     app.add_middleware(Guard, expected_auth=expected_auth, max_body_bytes=max_body_bytes)
+    if kv_page_on:
+        app.state.kv_hub = kv_page.add_routes(app, loop, metrics, api_key, kv_page_show_text)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
@@ -233,10 +238,17 @@ class Guard:
     def _refusal(self, scope) -> APIError | None:
         """A missing or wrong API key (401) or a declared body over the limit (413), else None."""
         headers = dict(scope["headers"])
-        if self.expected_auth and scope["path"] not in OPEN_PATHS and not hmac.compare_digest(
-                headers.get(b"authorization", b""), self.expected_auth):
-            return APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                            type="authentication_error", code="invalid_api_key")
+        path = scope["path"]
+        if self.expected_auth and path not in OPEN_PATHS:
+            ok = hmac.compare_digest(headers.get(b"authorization", b""), self.expected_auth)
+            if not ok and (path == "/kv" or path.startswith("/kv/")):  # the KV page: its cookie will do too
+                ok = kv_page.cookie_ok(headers, self.expected_auth.decode().removeprefix("Bearer "))
+                if not ok and path in kv_page.PAGE_PATHS:  # the page answers with its login form
+                    return None
+            if not ok:
+                return APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                                type="authentication_error", code="invalid_api_key")
+            scope["state"]["authorized"] = True
         length = headers.get(b"content-length", b"")
         if length.isdigit() and len(length) < 20 and int(length) > self.max_body_bytes:
             return APIError(413, f"request body of {int(length):,} bytes is over the {self.max_body_bytes:,}-byte "

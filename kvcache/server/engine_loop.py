@@ -26,6 +26,7 @@ import torch
 from kvcache.compress.spec import EvictionSpec
 from kvcache.engine.llm_engine import EngineDeadError, LLMEngine, RequestOutput
 from kvcache.engine.sampling_params import SamplingParams
+from kvcache.server import kv_snapshot
 
 log = logging.getLogger("kvcache.server")
 __all__ = ["EngineDeadError", "EngineLoop"]
@@ -127,6 +128,11 @@ class EngineLoop:
             torch.set_num_threads(runner.all_threads)
 
     @property
+    def stopped(self) -> bool:
+        """stop() was called, or the thread has ended."""
+        return self._stopping or (self._thread.ident is not None and not self._thread.is_alive())
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stopping
 
@@ -170,6 +176,15 @@ class EngineLoop:
         """Abort a request (the client went away); its blocks are freed before the next step."""
         self._commands.put(("abort", request_id))
 
+    def request_snapshot(self, future: asyncio.Future, loop: asyncio.AbstractEventLoop, show_text: bool) -> None:
+        """Have the engine thread take a KV snapshot (server/kv_snapshot.py) between steps and settle `future`
+        with it (with EngineDeadError if the loop is not running)."""
+        with self._closing:
+            if self._closed or not self.alive:
+                loop.call_soon_threadsafe(_settle, future, EngineDeadError("the engine loop is not running"))
+                return
+            self._commands.put(("snapshot", future, loop, show_text))
+
     # ---- the engine thread ----------------------------------------------------------------------------
 
     def _handle(self, cmd: _Add | tuple) -> None:
@@ -184,6 +199,14 @@ class EngineLoop:
                 return
             self._streams[cmd.request_id] = cmd.stream
             cmd.stream.loop.call_soon_threadsafe(_settle, cmd.accepted, None)
+        elif cmd[0] == "snapshot":
+            _, future, loop, show_text = cmd
+            try:
+                snap, error = kv_snapshot.take(self.engine, show_text), None
+            except Exception as e:  # a page must not take the engine down: the viewer gets the error
+                log.exception("taking the KV snapshot failed")
+                snap, error = None, e
+            loop.call_soon_threadsafe(_settle, future, error, snap)
         elif cmd[0] == "abort":
             rid = cmd[1]
             if self.engine.abort_request(rid) and self.metrics:
@@ -252,15 +275,17 @@ class EngineLoop:
                 break
             if isinstance(cmd, _Add):
                 cmd.stream.loop.call_soon_threadsafe(_settle, cmd.accepted, EngineDeadError(str(error)))
+            elif cmd[0] == "snapshot":
+                cmd[2].call_soon_threadsafe(_settle, cmd[1], EngineDeadError(str(error)))
         for stream in self._streams.values():
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(str(error)))
         self._streams.clear()
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result=None) -> None:
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

@@ -25,6 +25,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="beyond this many queued requests new ones get 503 with Retry-After")
     p.add_argument("--max-request-body", default="4MiB", help="largest request body accepted")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines")
+    p.add_argument("--no-kv-page", action="store_true", help="do not serve the live KV cache page (/kv)")
+    p.add_argument("--kv-page-show-text", action="store_true",
+                   help="show each request's prompt text on the KV page (prompts are user data: off by default)")
 
 
 def model_name(path: str | None, given: str | None) -> str:
@@ -36,7 +39,8 @@ def model_name(path: str | None, given: str | None) -> str:
 
 
 def create(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
-           max_waiting_requests: int = 512, max_body_bytes: int = 4 * 2**20, log_interval_s: float = 10.0):
+           max_waiting_requests: int = 512, max_body_bytes: int = 4 * 2**20, log_interval_s: float = 10.0,
+           kv_page_on: bool = True, kv_page_show_text: bool = False):
     """Build the engine, its loop (started) and the app; returns (app, loop)."""
     from kvcache.server.app import build_app
     from kvcache.server.engine_loop import EngineLoop, build_engine
@@ -49,7 +53,8 @@ def create(config: EngineConfig, served_model_name: str | None = None, api_key: 
     metrics = ServerMetrics(engine, name)
     loop = EngineLoop(engine, metrics, log_interval_s)
     loop.start()
-    return build_app(loop, name, metrics, api_key, max_waiting_requests, max_body_bytes), loop
+    return build_app(loop, name, metrics, api_key, max_waiting_requests, max_body_bytes, kv_page_on,
+                     kv_page_show_text), loop
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -60,7 +65,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     app, loop = create(config, args.served_model_name, args.api_key or None, args.max_waiting_requests,
-                       parse_bytes(args.max_request_body), args.log_interval)
+                       parse_bytes(args.max_request_body), args.log_interval, not args.no_kv_page,
+                       args.kv_page_show_text)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", args.host)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",

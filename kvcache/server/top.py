@@ -1,6 +1,8 @@
-"""`kvcache top`: a live terminal view of a server's load and KV cache health, read from its /metrics.
+"""`kvcache top`: a live terminal view of a server's load and KV cache health, read from its KV page's API.
 
-Each poll reads the Prometheus text that `ServerMetrics` serves. Gauges are shown as read; token
+Each poll reads `GET /kv/snapshot?part=health` (server/kv_page.py: the samples of the Prometheus text that
+`ServerMetrics` serves, which the KV page shows through this module's `snapshot` too), or /metrics itself where
+the page is off (`--no-kv-page`) or the server predates it. Gauges are shown as read; token
 rates and latency means come from the growth of counters and histogram sums/counts between two
 polls (the first poll, and `--once`, show latency means since the server started and no rates).
 Warnings name the likely cause and the flag that addresses it.
@@ -8,6 +10,7 @@ Warnings name the likely cause and the flag that addresses it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -34,9 +37,36 @@ class MetricsUnreachableError(ConnectionError):
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `kvcache top`."""
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (its /metrics is read)")
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="the server's base URL (its /kv/snapshot?part=health is read, else its /metrics)")
+    p.add_argument("--api-key", default=os.environ.get("KVCACHE_API_KEY"),
+                   help="the server's --api-key, for its KV page's API (default: env KVCACHE_API_KEY)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit (no screen clearing)")
+
+
+def fetch_samples(client: httpx.Client, url: str, api_key: str | None = None) -> dict[str, float]:
+    """This poll's samples: from the KV page's API (with the key, where the server has one), else /metrics.
+    Raises MetricsUnreachableError, or ValueError on an HTTP error (401: the key is missing or wrong)."""
+    target = f"{url}/kv/snapshot?part=health"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = client.get(target, headers=headers)
+    except httpx.TransportError as e:
+        raise MetricsUnreachableError(f"cannot reach {target}: {str(e) or type(e).__name__}") from e
+    if resp.status_code == 404:  # no KV page here: the Prometheus text has the same figures
+        return read_samples(fetch_metrics(client, url))
+    if resp.status_code == 401:
+        raise ValueError(f"{target} needs the server's API key: give --api-key (or set KVCACHE_API_KEY)")
+    if resp.status_code != 200:
+        raise ValueError(f"{target} answered HTTP {resp.status_code}; is this a kvcache server?")
+    try:
+        samples = resp.json()["samples"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{target} did not answer a KV snapshot; is this a kvcache server?") from None
+    if not samples:
+        raise ValueError("the metrics hold no kvcache: series; is this a kvcache server?")
+    return samples
 
 
 def fetch_metrics(client: httpx.Client, url: str) -> str:
@@ -254,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
             while True:
                 t = time.monotonic()
                 try:
-                    cur = read_samples(fetch_metrics(client, url))
+                    cur = fetch_samples(client, url, getattr(args, "api_key", None))
                 except (MetricsUnreachableError, ValueError) as e:
                     if prev is None or args.once:
                         raise

@@ -1,0 +1,235 @@
+"""What `GET /kv/snapshot` returns and the KV page draws: every block's state, the requests that hold them, the
+prefix cache's largest subtrees (radix) or chains (hash), and the health figures `kvcache top` shows.
+
+`take` runs on the engine thread (it reads the block pool, the tables and the tree, which only that thread
+changes), in O(blocks + table entries + tree nodes), and copies plain data only; `SnapshotHub` takes at most one
+per interval, whatever the number of viewers, and everything else (the health figures, the JSON) happens off the
+engine thread.
+
+Schema (version 1), every count in blocks unless named otherwise:
+- `time` (Unix seconds), `took_ms` (how long `take` held the engine thread), `interval_s`, `model`;
+- `pool`: `num_blocks` (block ids 0..num_blocks-1, 0 the null block), `block_size`, `prefix_caching` (null, "hash"
+  or "radix"), and the count of each state;
+- `states`: one character per block id: `n` null, `.` free, `u` held by one sequence, `s` shared by several,
+  `c` cached and idle (findable by a prefix hit, evictable), `p` private (a KIVI key residual); `U` and `S` are `u`
+  and `s` blocks that are also registered in the prefix cache;
+- `hashes`: {block id: the first 8 hex digits of its chain hash} for blocks registered in the prefix cache (hash
+  mode; the radix tree keys its nodes by tokens), `hits`: {block id: prefix-cache hits since it was last handed out}
+  for blocks with any;
+- `requests`: [{`id`, `status`, `prompt_tokens`, `prefix_hit_tokens` (found cached at admission), `text` (only with
+  `--kv-page-show-text`), `seqs`: [{`index`, `blocks` (its table, 0 where a window gave a block back), `slots`
+  (tokens in its cache: a block's fill is min(block_size, slots - i x block_size)), `tokens`, `private` (blocks),
+  `eviction` (policy and tokens evicted, or null)}]}];
+- `prefix`: {`mode`, `groups`: the largest subtrees, each {`blocks`, `hits`, `age` (lookups since its last use, radix)
+  or `lru` (free-list position of its first idle block: 0 is evicted first, hash), `held` (blocks a sequence holds),
+  `nodes` (radix: [{`depth`, `blocks`, `hits`, `age`, `locked`}], the subtree's top nodes)}]};
+- `health`: `kvcache top`'s figures (server/top.py `snapshot`) and `warnings`, `history`: their recent values.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from kvcache.memory.block_pool import BlockPool
+
+VERSION = 1
+STATES = "n.uscUSp"  # by code: null, free, used, shared, cached idle, used and cached, shared and cached, private
+MAX_GROUPS = 16  # prefix subtrees or chains listed, the largest first
+MAX_NODES = 24  # radix nodes listed per subtree
+HISTORY = 600  # health samples kept (10 minutes at the default 1 s interval)
+
+
+def take(engine, show_text: bool = False) -> dict:
+    """The engine's KV state now (call on the engine thread)."""
+    started = time.perf_counter()
+    kv, pool = engine.kv, engine.kv.pool
+    n = pool.num_blocks
+    seqs = [s for req in engine.requests.values() for s in req.seqs if not s.is_finished]
+    tables = [kv.block_tables.get(s.seq_id, []) for s in seqs]
+    private = [kv.private_blocks.get(s.seq_id, []) for s in seqs]
+    held = np.bincount(np.fromiter((b for t in tables for b in t), dtype=np.int64), minlength=n)[:n] \
+        if any(tables) else np.zeros(n, dtype=np.int64)
+    held[BlockPool.NULL_BLOCK] = 0
+    registered = _registered(kv, n)
+    state = np.full(n, 1, dtype=np.int8)  # free
+    state[registered] = 4  # cached and idle: findable, held by nobody but the tree (or nobody)
+    state[held == 1] = 2
+    state[held > 1] = 3
+    state[(held == 1) & registered] = 5
+    state[(held > 1) & registered] = 6
+    for blocks in private:
+        state[blocks] = 7
+    state[BlockPool.NULL_BLOCK] = 0
+    table = np.frombuffer(STATES.encode(), dtype=np.uint8)
+    text = table[state].tobytes().decode()
+    hits = np.asarray(pool.hits, dtype=np.int64)
+    hit_ids = np.flatnonzero(hits)
+    out = {
+        "version": VERSION, "time": time.time(),
+        "pool": {"num_blocks": n, "block_size": kv.block_size, "prefix_caching": kv.prefix_caching,
+                 **{name: int(c) for name, c in zip(("null", "free", "used", "shared", "cached", "used_cached",
+                                                     "shared_cached", "private"), np.bincount(state, minlength=8))}},
+        "states": text,
+        "hashes": {} if kv.radix else {str(b): f"{k.hash & 0xFFFFFFFF:08x}" for b, k in enumerate(pool.keys)
+                                        if k is not None},
+        "hits": {str(int(b)): int(hits[b]) for b in hit_ids},
+        "requests": _requests(engine, show_text),
+        "prefix": _radix_groups(kv) if kv.radix else _hash_groups(kv, held),
+    }
+    out["took_ms"] = (time.perf_counter() - started) * 1000
+    return out
+
+
+def _registered(kv, n: int) -> np.ndarray:
+    """Whether each block is registered in the prefix cache (its key in hash mode, the tree in radix)."""
+    mask = np.zeros(n, dtype=bool)
+    if kv.radix:
+        ids = [b for node in kv.radix._nodes() for b in node.blocks]
+        if ids:
+            mask[ids] = True
+    elif kv.prefix_caching:
+        ids = [b for b, k in enumerate(kv.pool.keys) if k is not None]
+        if ids:
+            mask[ids] = True
+    return mask
+
+
+def _requests(engine, show_text: bool) -> list[dict]:
+    kv, out = engine.kv, []
+    for rid, req in engine.requests.items():
+        running = [s for s in req.seqs if not s.is_finished]
+        if not running:
+            continue
+        item = {"id": rid, "status": running[0].status.value, "prompt_tokens": len(req.prompt_token_ids),
+                "prefix_hit_tokens": req.seqs[0].num_cached_tokens, "seqs": []}
+        if show_text:
+            item["text"] = req.prompt if req.prompt is not None else engine.tokenizer.decode(req.prompt_token_ids)
+        for s in running:
+            ev = s.eviction
+            item["seqs"].append({
+                "index": s.index, "blocks": list(kv.block_tables.get(s.seq_id, [])),
+                "slots": s.num_computed_tokens - s.num_evicted, "tokens": s.num_tokens,
+                "private": list(kv.private_blocks.get(s.seq_id, [])),
+                "eviction": {"policy": ev.policy.name, "evicted": ev.num_evicted} if ev else None})
+        out.append(item)
+    return out
+
+
+def _radix_groups(kv) -> dict:
+    """The tree's largest subtrees (children of the roots), each with its top nodes, largest first."""
+    tree, pool = kv.radix, kv.pool
+    now = next(tree._clock)  # a tick of the logical clock (lookups), so ages are counted in lookups
+    size: dict[int, int] = {}
+
+    def subtree(node) -> int:  # iterative post-order: the tree can be deep
+        stack, order = [node], []
+        while stack:
+            x = stack.pop()
+            order.append(x)
+            stack.extend(x.children.values())
+        for x in reversed(order):
+            size[id(x)] = len(x.blocks) + sum(size[id(c)] for c in x.children.values())
+        return size[id(node)]
+
+    groups = []
+    for root in tree.roots.values():
+        for child in root.children.values():
+            groups.append((subtree(child), child))
+    groups.sort(key=lambda g: -g[0])
+    out = []
+    for blocks, top in groups[:MAX_GROUPS]:
+        nodes, stack = [], [(top, 0)]
+        while stack and len(nodes) < MAX_NODES:
+            node, depth = stack.pop()
+            nodes.append({"depth": depth, "blocks": len(node.blocks), "subtree": size[id(node)],
+                          "hits": pool.hits[node.blocks[0]] if node.blocks else 0, "age": now - node.last_access,
+                          "locked": node.lock_ref > 0, "first_block": node.blocks[0] if node.blocks else None})
+            kids = sorted(node.children.values(), key=lambda c: size[id(c)])
+            stack.extend((c, depth + 1) for c in kids)
+        out.append({"blocks": blocks, "hits": nodes[0]["hits"], "age": nodes[0]["age"],
+                    "held": sum(pool.ref_counts[b] > 1 for b in top.blocks), "nodes": nodes})
+    return {"mode": "radix", "num_groups": len(groups), "groups": out}
+
+
+def _hash_groups(kv, held: np.ndarray) -> dict:
+    """Cached blocks grouped by the first block of their chain (a parent link is followed while the parent
+    still holds the block it held: same id, same generation), largest first."""
+    pool = kv.pool
+    if not kv.prefix_caching:
+        return {"mode": None, "num_groups": 0, "groups": []}
+    root: dict[int, int] = {}
+    cached = [b for b, k in enumerate(pool.keys) if k is not None]
+    for b in cached:
+        path = []
+        x = b
+        while x not in root:
+            k = pool.keys[x]
+            path.append(x)
+            parent = k.parent
+            if parent is None or pool.keys[parent[0]] is None or pool.generation[parent[0]] != parent[1]:
+                root[x] = x
+                break
+            x = parent[0]
+        r = root[x]
+        for y in path:
+            root[y] = r
+    lru = {b: i for i, b in enumerate(pool._free) if pool.keys[b] is not None}
+    groups: dict[int, list[int]] = {}
+    for b in cached:
+        groups.setdefault(root[b], []).append(b)
+    ranked = sorted(groups.items(), key=lambda g: -len(g[1]))
+    out = []
+    for first, blocks in ranked[:MAX_GROUPS]:
+        idle = [lru[b] for b in blocks if b in lru]
+        out.append({"first_block": first, "hash": f"{pool.keys[first].hash & 0xFFFFFFFF:08x}", "blocks": len(blocks),
+                    "hits": pool.hits[first], "held": int(sum(held[b] > 0 for b in blocks)),
+                    "lru": min(idle) if idle else None})
+    return {"mode": "hash", "num_groups": len(groups), "groups": out}
+
+
+class SnapshotHub:
+    """Snapshots for every viewer, at most one taken per `interval_s`: `get()` (on the event loop) returns the
+    latest if it is fresh, else asks the engine thread for one (`request` puts a command on its queue) and waits;
+    concurrent callers share that one. The health figures are added here, off the engine thread, from the metrics
+    (`health()`), and kept in a short history."""
+
+    def __init__(self, request, health, interval_s: float = 1.0) -> None:
+        self.request = request  # (future, loop) -> None: the engine thread will take a snapshot and settle it
+        self.health = health  # () -> dict: kvcache top's figures and warnings now
+        self.interval_s = interval_s
+        self.latest: dict | None = None
+        self.taken = 0  # snapshots the engine thread took (tests: viewers do not multiply them)
+        self.json_text: tuple[dict, str] | None = None  # (snapshot, its JSON): serialized once for every viewer
+        self._pending: asyncio.Task | None = None
+        self.history: deque[dict] = deque(maxlen=HISTORY)
+        self._lock = threading.Lock()
+
+    async def get(self) -> dict:
+        if self.latest is not None and time.time() - self.latest["time"] < self.interval_s:
+            return self.latest
+        if self._pending is None or self._pending.done():  # one task takes it, every caller awaits that task
+            self._pending = asyncio.ensure_future(self._take())
+        return await asyncio.shield(self._pending)
+
+    async def _take(self) -> dict:
+        """A snapshot from the engine thread, with the health figures and their history added off it."""
+        loop = asyncio.get_running_loop()
+        taken = loop.create_future()
+        self.request(taken, loop)
+        snap = dict(await taken, interval_s=self.interval_s)
+        snap["health"] = await asyncio.to_thread(self.health)
+        self.record(snap["health"])
+        snap["history"] = list(self.history)
+        self.latest = snap
+        self.taken += 1
+        return snap
+
+    def record(self, health: dict) -> None:
+        """One history sample of the figures the page charts."""
+        with self._lock:
+            self.history.append({k: health.get(k) for k in ("time", "kv_usage", "prefix_hit_rate", "fragmentation",
+                                                             "running", "waiting", "generation_tps", "prompt_tps")})

@@ -1,0 +1,227 @@
+"""The live KV cache page: the snapshot's block states against the pool, the API's security (key, cookie, login,
+404s, --no-kv-page, no text unless asked), one snapshot per interval whatever the number of viewers, and the page
+itself in headless Chromium against a live server with running requests."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+from live_server import API_KEY, start_server
+
+from kvcache import LLM, SamplingParams
+from kvcache.server import kv_snapshot
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _counts(states: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for ch in states:
+        out[ch] = out.get(ch, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("algo", ["hash", "radix"])
+def test_the_snapshot_accounts_for_every_block(tiny_llama, algo):
+    """Mid-run, with n = 2 samples sharing their prompt's blocks and a finished request's blocks cached: each
+    block has one state, the counts add up to the pool, held blocks are the tables' and cached ones the cache's."""
+    llm = LLM(tiny_llama, kv_cache_memory="1MiB", prefix_caching_algo=algo)
+    eng = llm.engine
+    prompt = list(range(10, 74))  # 4 full blocks
+    eng.add_request("done", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    eng.run_to_completion()
+    eng.add_request("pair", prompt + [5, 6], SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=40, ignore_eos=True))
+    eng.add_request("solo", list(range(200, 240)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(5):
+        eng.step()
+    snap = kv_snapshot.take(eng)
+    kv, n = eng.kv, eng.kv.pool.num_blocks
+    assert len(snap["states"]) == n and snap["states"][0] == "n"
+    counts = _counts(snap["states"])
+    assert sum(counts.values()) == n
+    pool = snap["pool"]
+    assert pool["free"] + pool["cached"] == kv.num_free_blocks  # what an allocation can take
+    held = {b for t in kv.block_tables.values() for b in t if b}
+    assert {b for b, ch in enumerate(snap["states"]) if ch in "uUsS"} == held
+    shared = {b for b in held if sum(b in t for t in kv.block_tables.values()) > 1}
+    assert {b for b, ch in enumerate(snap["states"]) if ch in "sS"} == shared and len(shared) >= 4  # the prompt's
+    assert counts.get("c", 0) == kv.num_idle_cached_blocks
+    assert pool["used"] + pool["used_cached"] + pool["shared"] + pool["shared_cached"] == len(held)
+    reqs = {r["id"]: r for r in snap["requests"]}
+    assert set(reqs) == {"pair", "solo"} and len(reqs["pair"]["seqs"]) == 2
+    assert reqs["pair"]["prefix_hit_tokens"] == 64  # the finished request's four blocks
+    assert all("text" not in r for r in snap["requests"])
+    assert snap["prefix"]["mode"] == algo and snap["prefix"]["groups"][0]["hits"] >= 1
+    if algo == "hash":
+        assert set(snap["hashes"]) == {str(b) for b, k in enumerate(kv.pool.keys) if k is not None}
+    assert kv_snapshot.take(eng, show_text=True)["requests"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def slow_live(tiny_llama):
+    """A live server whose engine steps at most every 20 ms, so that requests stay running while a test looks."""
+    srv = start_server(tiny_llama)
+    step = srv.loop.engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+    srv.loop.engine.step = slow_step
+    yield srv
+    srv.stop()
+
+
+def _run_requests(url: str, n: int = 3, max_tokens: int = 300) -> threading.Thread:
+    def one(i: int) -> None:
+        try:
+            httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=120, json={
+                "model": "tiny", "prompt": f"w{5 + i} w6 w7 w8 " * 10, "max_tokens": max_tokens, "ignore_eos": True,
+                "n": 2 if i == 0 else 1})
+        except httpx.HTTPError:  # the module's server stopped under it
+            pass
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads[0]
+
+
+def test_the_api_needs_the_key_or_the_login_cookie(slow_live):
+    url = slow_live.url
+    with httpx.Client(timeout=10) as c:
+        assert c.get(f"{url}/kv/snapshot").status_code == 401
+        assert c.get(f"{url}/kv/stream").status_code == 401
+        page = c.get(f"{url}/kv")
+        assert page.status_code == 401 and 'action="/kv/login"' in page.text and "API key" in page.text
+        assert c.get(f"{url}/kv/nothing", headers=AUTH).status_code == 404
+        assert c.get(f"{url}/kv/snapshot?part=blocks", headers=AUTH).status_code == 400
+        wrong = c.post(f"{url}/kv/login", data={"key": "nope"}, follow_redirects=False)
+        assert wrong.status_code == 401 and "wrong key" in wrong.text and "set-cookie" not in wrong.headers
+        ok = c.post(f"{url}/kv/login", data={"key": API_KEY}, follow_redirects=False)
+        assert ok.status_code == 303 and ok.headers["location"] == "/kv"
+        cookie = ok.headers["set-cookie"]
+        assert API_KEY not in cookie and "HttpOnly" in cookie and "SameSite=strict" in cookie
+    with httpx.Client(timeout=10, cookies=ok.cookies) as c:
+        assert c.get(f"{url}/kv/snapshot").status_code == 200
+        assert c.get(f"{url}/kv").text.count("blockmap") >= 1
+        assert c.get(f"{url}/v1/models").status_code == 401  # the cookie opens /kv only
+        health = c.get(f"{url}/kv/snapshot?part=health", headers=AUTH).json()["health"]
+        assert {"kv_usage", "running", "waiting", "warnings"} <= set(health)
+
+
+def test_no_kv_page_and_no_key(tiny_llama):
+    srv = start_server(tiny_llama, kv_page_on=False)
+    try:
+        with httpx.Client(timeout=10) as c:
+            for path in ("/kv", "/kv/snapshot", "/kv/stream"):
+                assert c.get(srv.url + path, headers=AUTH).status_code == 404
+    finally:
+        srv.stop()
+    srv = start_server(tiny_llama, api_key=None, kv_page_show_text=True)
+    try:
+        with httpx.Client(timeout=10) as c:
+            assert c.get(srv.url + "/kv").status_code == 200  # no key: no login
+            snap = c.get(srv.url + "/kv/snapshot").json()
+            assert snap["version"] == 1 and snap["requests"] == []
+    finally:
+        srv.stop()
+
+
+def test_twenty_viewers_share_one_snapshot_per_interval(slow_live):
+    hub = slow_live.app.state.kv_hub
+    _run_requests(slow_live.url)
+    time.sleep(0.3)
+
+    async def viewers(n: int, events: int) -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as c:
+            async def one() -> int:
+                got = 0
+                async with c.stream("GET", f"{slow_live.url}/kv/stream", headers=AUTH) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            got += 1
+                            if got == events:
+                                return got
+                return got
+            return await asyncio.gather(*(one() for _ in range(n)))
+    before, t = hub.taken, time.monotonic()
+    assert asyncio.run(viewers(20, 3)) == [3] * 20
+    elapsed = time.monotonic() - t
+    taken = hub.taken - before
+    assert 1 <= taken <= elapsed / hub.interval_s + 2, (taken, elapsed)  # not 60: one per interval for all 20
+
+
+def test_the_page_in_a_headless_browser(slow_live, tmp_path):
+    """Chromium loads /kv through its login form while requests run; the cells drawn, the request rows and the
+    chart points are those of the snapshot the page got; clicking a request highlights exactly its blocks."""
+    webdriver = pytest.importorskip("selenium.webdriver")
+    if not shutil.which("chromium") or not shutil.which("chromedriver"):
+        pytest.skip("chromium and chromedriver are not installed (make services installs them)")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    hub = slow_live.app.state.kv_hub
+    hub.interval_s = 4.0  # the test's own GET /kv/snapshot then returns the very snapshot the page drew
+    _run_requests(slow_live.url, n=3, max_tokens=400)
+    time.sleep(0.5)
+    opts = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):
+        opts.add_argument(arg)
+    opts.binary_location = shutil.which("chromium")
+    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=shutil.which("chromedriver")))
+    try:
+        driver.get(f"{slow_live.url}/kv")
+        driver.find_element(By.ID, "key").send_keys(API_KEY)
+        driver.find_element(By.ID, "login").submit()
+        wait = WebDriverWait(driver, 20)
+        wait.until(lambda d: d.execute_script("return document.body.dataset.snapshotTime"))
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#requests tbody tr"))
+        page = driver.execute_script("return snap")
+        with httpx.Client(timeout=10) as c:
+            snap = c.get(f"{slow_live.url}/kv/snapshot", headers=AUTH).json()
+        assert snap["time"] == page["time"], "the page and the API should see the same interval's snapshot"
+        canvas = driver.find_element(By.ID, "blockmap")
+        assert int(canvas.get_attribute("data-cells")) == snap["pool"]["num_blocks"]
+        import json
+        assert json.loads(canvas.get_attribute("data-counts")) == _counts(snap["states"])
+        rows = driver.find_elements(By.CSS_SELECTOR, "#requests tbody tr")
+        assert [r.get_attribute("data-request") for r in rows] == [r["id"] for r in snap["requests"]]
+        assert len(rows) >= 2
+        points = driver.find_element(By.ID, "chart-usage").get_attribute("data-points")
+        assert int(points) == len(snap["history"]) >= 1
+        usage = driver.find_element(By.CSS_SELECTOR, '[data-figure="KV usage"] b').text
+        assert usage == f"{100 * snap['health']['kv_usage']:.1f}%"
+        rows[0].click()
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#requests tbody tr.selected"))
+        selected = driver.find_element(By.CSS_SELECTOR, "#requests tbody tr.selected")
+        want = len({b for q in snap["requests"][0]["seqs"] for b in q["blocks"] + q["private"] if b})
+        assert int(canvas.get_attribute("data-highlighted")) == int(selected.get_attribute("data-blocks")) == want > 0
+        driver.save_screenshot(str(tmp_path / "kv_page.png"))
+        assert (tmp_path / "kv_page.png").stat().st_size > 10_000
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        # the one expected: the first GET /kv, answered 401 with the login form
+        assert [e for e in errors if not (e["source"] == "network" and "/kv - " in e["message"] and "401" in e["message"])] == []
+    finally:
+        driver.quit()
+        hub.interval_s = 1.0
+
+
+def test_kvcache_top_reads_the_kv_api_and_needs_the_key(slow_live, capsys):
+    """`kvcache top --once` against a live server with --api-key: the figures from /kv/snapshot?part=health (the
+    page's numbers); without the key, one clear error."""
+    import argparse
+
+    from kvcache.server import top
+    p = argparse.ArgumentParser()
+    top.add_args(p)
+    _run_requests(slow_live.url, n=2, max_tokens=200)
+    time.sleep(0.3)
+    assert top.run(p.parse_args(["--url", slow_live.url, "--once", "--api-key", API_KEY])) == 0
+    out = capsys.readouterr().out
+    assert "Requests       running " in out and "KV cache       usage " in out
+    with pytest.raises(ValueError, match="needs the server's API key: give --api-key"):
+        top.run(p.parse_args(["--url", slow_live.url, "--once", "--api-key", ""]))
