@@ -480,10 +480,12 @@ def main(argv: list[str] | None = None) -> int:
     _command(bsub, "serve", "load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput", "kvcache.bench.serve")
     _command(bsub, "sliding-window", "blocks per request and concurrency with out-of-window blocks given back, "
              "against one table keeping them all", "kvcache.bench.sliding_window")
-    _command(bsub, "spec-decode", "n-gram speculative decoding against plain decoding on input-grounded and random "
-             "prompts, by batch size", "kvcache.bench.spec_decode")
+    _command(bsub, "spec-decode", "speculative decoding (n-gram or a draft model) against plain decoding on "
+             "input-grounded and random prompts, by batch size", "kvcache.bench.spec_decode")
     _command(bsub, "mla", "MLA's latent KV bytes per token against MHA, and decode step time of absorbed against "
              "expanded attention", "kvcache.bench.mla")
+    _command(bsub, "kv-page", "the live KV page's cost: the snapshot on a 100k-block pool, and serving throughput "
+             "with viewers against none", "kvcache.bench.kv_page")
 
     ev = sub.add_parser("eval", help="quality evaluations")
     evsub = ev.add_subparsers(dest="eval", required=True)

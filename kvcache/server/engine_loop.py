@@ -177,8 +177,8 @@ class EngineLoop:
         self._commands.put(("abort", request_id))
 
     def request_snapshot(self, future: asyncio.Future, loop: asyncio.AbstractEventLoop, show_text: bool) -> None:
-        """Have the engine thread take a KV snapshot (server/kv_snapshot.py) between steps and settle `future`
-        with it (with EngineDeadError if the loop is not running)."""
+        """Have the engine thread capture a KV snapshot (server/kv_snapshot.py) between steps and settle `future`
+        with its copies (with EngineDeadError if the loop is not running)."""
         with self._closing:
             if self._closed or not self.alive:
                 loop.call_soon_threadsafe(_settle, future, EngineDeadError("the engine loop is not running"))
@@ -202,7 +202,7 @@ class EngineLoop:
         elif cmd[0] == "snapshot":
             _, future, loop, show_text = cmd
             try:
-                snap, error = kv_snapshot.take(self.engine, show_text), None
+                snap, error = kv_snapshot.capture(self.engine, show_text), None
             except Exception as e:  # a page must not take the engine down: the viewer gets the error
                 log.exception("taking the KV snapshot failed")
                 snap, error = None, e

@@ -1,10 +1,10 @@
 """What `GET /kv/snapshot` returns and the KV page draws: every block's state, the requests that hold them, the
 prefix cache's largest subtrees (radix) or chains (hash), and the health figures `kvcache top` shows.
 
-`take` runs on the engine thread (it reads the block pool, the tables and the tree, which only that thread
-changes), in O(blocks + table entries + tree nodes), and copies plain data only; `SnapshotHub` takes at most one
-per interval, whatever the number of viewers, and everything else (the health figures, the JSON) happens off the
-engine thread.
+`capture` runs on the engine thread (it reads the block pool, the tables and the tree, which only that thread
+changes) and copies: the pool's per-block lists, the tables, the radix tree's groups (O(blocks) list copies and
+O(tree nodes)); `build` turns the copies into the schema below off that thread, as the health figures and the
+JSON are; `SnapshotHub` takes at most one per interval, whatever the number of viewers.
 
 Schema (version 1), every count in blocks unless named otherwise:
 - `time` (Unix seconds), `took_ms` (how long `take` held the engine thread), `interval_s`, `model`;
@@ -13,8 +13,8 @@ Schema (version 1), every count in blocks unless named otherwise:
 - `states`: one character per block id: `n` null, `.` free, `u` held by one sequence, `s` shared by several,
   `c` cached and idle (findable by a prefix hit, evictable), `p` private (a KIVI key residual); `U` and `S` are `u`
   and `s` blocks that are also registered in the prefix cache;
-- `hashes`: {block id: the first 8 hex digits of its chain hash} for blocks registered in the prefix cache (hash
-  mode; the radix tree keys its nodes by tokens), `hits`: {block id: prefix-cache hits since it was last handed out}
+- `hashes`: {block id: the first 8 hex digits of its chain hash} for held blocks registered in the prefix cache
+  (hash mode; the radix tree keys its nodes by tokens; an idle cached block is shown by its chain), `hits`: {block id: prefix-cache hits since it was last handed out}
   for blocks with any;
 - `requests`: [{`id`, `status`, `prompt_tokens`, `prefix_hit_tokens` (found cached at admission), `text` (only with
   `--kv-page-show-text`), `seqs`: [{`index`, `blocks` (its table, 0 where a window gave a block back), `slots`
@@ -44,58 +44,68 @@ HISTORY = 600  # health samples kept (10 minutes at the default 1 s interval)
 
 
 def take(engine, show_text: bool = False) -> dict:
-    """The engine's KV state now (call on the engine thread)."""
+    """The engine's KV state now, in one call (tests, benchmarks): `build(capture(engine))`."""
+    return build(capture(engine, show_text))
+
+
+def capture(engine, show_text: bool = False) -> dict:
+    """What a snapshot needs, copied (call on the engine thread: only it changes these): the pool's per-block
+    lists, its free list's order, the requests' tables, the radix tree's groups (walked here, as its nodes change).
+    The per-block work of turning that into the schema is `build`'s, off the engine thread."""
     started = time.perf_counter()
     kv, pool = engine.kv, engine.kv.pool
-    n = pool.num_blocks
-    seqs = [s for req in engine.requests.values() for s in req.seqs if not s.is_finished]
-    tables = [kv.block_tables.get(s.seq_id, []) for s in seqs]
-    private = [kv.private_blocks.get(s.seq_id, []) for s in seqs]
+    raw = {
+        "time": time.time(), "num_blocks": pool.num_blocks, "block_size": kv.block_size,
+        "prefix_caching": kv.prefix_caching,
+        "keys": None if kv.radix else list(pool.keys),  # BlockKeys are immutable: a shallow copy is a snapshot
+        "generation": None if kv.radix else list(pool.generation),
+        "free_order": None if kv.radix else list(pool._free),
+        "tree_blocks": [b for node in kv.radix._nodes() for b in node.blocks] if kv.radix else None,
+        "hits": list(pool.hits),
+        "requests": _requests(engine, show_text),
+        "prefix": _radix_groups(kv) if kv.radix else None,
+    }
+    raw["took_ms"] = (time.perf_counter() - started) * 1000
+    return raw
+
+
+def build(raw: dict) -> dict:
+    """The snapshot (the module docstring's schema) from `capture`'s copies; any thread."""
+    n, keys = raw["num_blocks"], raw["keys"]
+    tables = [q["blocks"] for r in raw["requests"] for q in r["seqs"]]
     held = np.bincount(np.fromiter((b for t in tables for b in t), dtype=np.int64), minlength=n)[:n] \
         if any(tables) else np.zeros(n, dtype=np.int64)
     held[BlockPool.NULL_BLOCK] = 0
-    registered = _registered(kv, n)
+    registered = np.zeros(n, dtype=bool)
+    cached = raw["tree_blocks"] if keys is None else [b for b, k in enumerate(keys) if k is not None]
+    if cached and raw["prefix_caching"]:
+        registered[cached] = True
     state = np.full(n, 1, dtype=np.int8)  # free
     state[registered] = 4  # cached and idle: findable, held by nobody but the tree (or nobody)
     state[held == 1] = 2
     state[held > 1] = 3
     state[(held == 1) & registered] = 5
     state[(held > 1) & registered] = 6
-    for blocks in private:
-        state[blocks] = 7
+    for r in raw["requests"]:
+        for q in r["seqs"]:
+            state[q["private"]] = 7
     state[BlockPool.NULL_BLOCK] = 0
     table = np.frombuffer(STATES.encode(), dtype=np.uint8)
-    text = table[state].tobytes().decode()
-    hits = np.asarray(pool.hits, dtype=np.int64)
-    hit_ids = np.flatnonzero(hits)
-    out = {
-        "version": VERSION, "time": time.time(),
-        "pool": {"num_blocks": n, "block_size": kv.block_size, "prefix_caching": kv.prefix_caching,
-                 **{name: int(c) for name, c in zip(("null", "free", "used", "shared", "cached", "used_cached",
-                                                     "shared_cached", "private"), np.bincount(state, minlength=8))}},
-        "states": text,
-        "hashes": {} if kv.radix else {str(b): f"{k.hash & 0xFFFFFFFF:08x}" for b, k in enumerate(pool.keys)
-                                        if k is not None},
-        "hits": {str(int(b)): int(hits[b]) for b in hit_ids},
-        "requests": _requests(engine, show_text),
-        "prefix": _radix_groups(kv) if kv.radix else _hash_groups(kv, held),
+    hits = np.asarray(raw["hits"], dtype=np.int64)
+    names = ("null", "free", "used", "shared", "cached", "used_cached", "shared_cached", "private")
+    return {
+        "version": VERSION, "time": raw["time"], "took_ms": raw["took_ms"],
+        "pool": {"num_blocks": n, "block_size": raw["block_size"], "prefix_caching": raw["prefix_caching"],
+                 **{name: int(c) for name, c in zip(names, np.bincount(state, minlength=8))}},
+        "states": table[state].tobytes().decode(),
+        # held blocks' hashes (an idle cached block is shown by its chain in `prefix`): a few per request, not
+        # one per cached block of a full pool
+        "hashes": {} if keys is None else {str(b): f"{keys[b].hash & 0xFFFFFFFF:08x}"
+                                           for b in np.flatnonzero(registered & (held > 0)).tolist()},
+        "hits": {str(int(b)): int(hits[b]) for b in np.flatnonzero(hits)},
+        "requests": raw["requests"],
+        "prefix": raw["prefix"] if raw["prefix"] is not None else _hash_groups(raw, cached, held),
     }
-    out["took_ms"] = (time.perf_counter() - started) * 1000
-    return out
-
-
-def _registered(kv, n: int) -> np.ndarray:
-    """Whether each block is registered in the prefix cache (its key in hash mode, the tree in radix)."""
-    mask = np.zeros(n, dtype=bool)
-    if kv.radix:
-        ids = [b for node in kv.radix._nodes() for b in node.blocks]
-        if ids:
-            mask[ids] = True
-    elif kv.prefix_caching:
-        ids = [b for b, k in enumerate(kv.pool.keys) if k is not None]
-        if ids:
-            mask[ids] = True
-    return mask
 
 
 def _requests(engine, show_text: bool) -> list[dict]:
@@ -155,40 +165,42 @@ def _radix_groups(kv) -> dict:
     return {"mode": "radix", "num_groups": len(groups), "groups": out}
 
 
-def _hash_groups(kv, held: np.ndarray) -> dict:
+def _hash_groups(raw: dict, cached: list[int], held: np.ndarray) -> dict:
     """Cached blocks grouped by the first block of their chain (a parent link is followed while the parent
-    still holds the block it held: same id, same generation), largest first."""
-    pool = kv.pool
-    if not kv.prefix_caching:
-        return {"mode": None, "num_groups": 0, "groups": []}
-    root: dict[int, int] = {}
-    cached = [b for b, k in enumerate(pool.keys) if k is not None]
+    still holds the block it held: same id, same generation), largest first. The roots come from pointer jumping
+    over a parent array (log of the longest chain passes), not a walk per block."""
+    keys, generation = raw["keys"], raw["generation"]
+    if not raw["prefix_caching"] or not cached:
+        return {"mode": "hash" if raw["prefix_caching"] else None, "num_groups": 0, "groups": []}
+    n = len(keys)
+    parent = np.arange(n)
     for b in cached:
-        path = []
-        x = b
-        while x not in root:
-            k = pool.keys[x]
-            path.append(x)
-            parent = k.parent
-            if parent is None or pool.keys[parent[0]] is None or pool.generation[parent[0]] != parent[1]:
-                root[x] = x
-                break
-            x = parent[0]
-        r = root[x]
-        for y in path:
-            root[y] = r
-    lru = {b: i for i, b in enumerate(pool._free) if pool.keys[b] is not None}
-    groups: dict[int, list[int]] = {}
-    for b in cached:
-        groups.setdefault(root[b], []).append(b)
-    ranked = sorted(groups.items(), key=lambda g: -len(g[1]))
+        p = keys[b].parent
+        if p is not None and keys[p[0]] is not None and generation[p[0]] == p[1]:
+            parent[b] = p[0]
+    while True:
+        up = parent[parent]
+        if np.array_equal(up, parent):
+            break
+        parent = up
+    ids = np.asarray(cached)
+    roots, sizes = np.unique(parent[ids], return_counts=True)
+    order = np.argsort(-sizes, kind="stable")[:MAX_GROUPS]
+    lru = np.full(n, -1)
+    free = np.asarray(raw["free_order"], dtype=np.int64)
+    if free.size:
+        lru[free] = np.arange(free.size)
+    hits = raw["hits"]
     out = []
-    for first, blocks in ranked[:MAX_GROUPS]:
-        idle = [lru[b] for b in blocks if b in lru]
-        out.append({"first_block": first, "hash": f"{pool.keys[first].hash & 0xFFFFFFFF:08x}", "blocks": len(blocks),
-                    "hits": pool.hits[first], "held": int(sum(held[b] > 0 for b in blocks)),
-                    "lru": min(idle) if idle else None})
-    return {"mode": "hash", "num_groups": len(groups), "groups": out}
+    for i in order:
+        first = int(roots[i])
+        members = ids[parent[ids] == first]
+        idle = lru[members]
+        idle = idle[idle >= 0]
+        out.append({"first_block": first, "hash": f"{keys[first].hash & 0xFFFFFFFF:08x}", "blocks": int(sizes[i]),
+                    "hits": hits[first], "held": int((held[members] > 0).sum()),
+                    "lru": int(idle.min()) if idle.size else None})
+    return {"mode": "hash", "num_groups": len(roots), "groups": out}
 
 
 class SnapshotHub:
@@ -219,8 +231,8 @@ class SnapshotHub:
         """A snapshot from the engine thread, with the health figures and their history added off it."""
         loop = asyncio.get_running_loop()
         taken = loop.create_future()
-        self.request(taken, loop)
-        snap = dict(await taken, interval_s=self.interval_s)
+        self.request(taken, loop)  # settled with capture()'s copies
+        snap = dict(await asyncio.to_thread(build, await taken), interval_s=self.interval_s)
         snap["health"] = await asyncio.to_thread(self.health)
         self.record(snap["health"])
         snap["history"] = list(self.history)

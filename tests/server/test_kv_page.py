@@ -57,7 +57,11 @@ def test_the_snapshot_accounts_for_every_block(tiny_llama, algo):
     assert all("text" not in r for r in snap["requests"])
     assert snap["prefix"]["mode"] == algo and snap["prefix"]["groups"][0]["hits"] >= 1
     if algo == "hash":
-        assert set(snap["hashes"]) == {str(b) for b, k in enumerate(kv.pool.keys) if k is not None}
+        assert set(snap["hashes"]) == {str(b) for b in held if kv.pool.keys[b] is not None} != set()
+        groups = snap["prefix"]["groups"]
+        assert sum(g["blocks"] for g in groups) == kv.pool.num_cached  # every cached block in one chain
+        first = next(g for g in groups if g["first_block"] == 1)  # the shared prompt's chain, from block 1
+        assert first["blocks"] >= 4 and first["held"] >= 4 and first["hits"] == 1
     assert kv_snapshot.take(eng, show_text=True)["requests"][0]["text"]
 
 
