@@ -23,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 
 from kvcache.server import top
+from kvcache.server.engine_loop import EngineDeadError
+from kvcache.server.protocol import APIError
 from kvcache.server.kv_snapshot import SnapshotHub
 
 COOKIE = "kvcache_kv"
@@ -131,8 +133,13 @@ def add_routes(app: FastAPI, loop, metrics, api_key: str | None, show_text: bool
 
 
 async def _json(hub: SnapshotHub) -> str:
-    """The latest snapshot as JSON text, serialized once per snapshot whatever the number of viewers."""
-    snap = await hub.get()
+    """The latest snapshot as JSON text, serialized once per snapshot whatever the number of viewers. APIError 503
+    when the engine is not running (it has nobody to take one)."""
+    try:
+        snap = await hub.get()
+    except EngineDeadError:
+        raise APIError(503, "the engine is not running: no KV snapshot", type="server_error",
+                       code="engine_dead") from None
     if hub.json_text is None or hub.json_text[0] is not snap:
         hub.json_text = (snap, await asyncio.to_thread(json.dumps, snap))
     return hub.json_text[1]

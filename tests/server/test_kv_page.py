@@ -229,3 +229,14 @@ def test_kvcache_top_reads_the_kv_api_and_needs_the_key(slow_live, capsys):
     assert "Requests       running " in out and "KV cache       usage " in out
     with pytest.raises(ValueError, match="needs the server's API key: give --api-key"):
         top.run(p.parse_args(["--url", slow_live.url, "--once", "--api-key", ""]))
+
+
+def test_a_dead_engine_answers_503_not_a_hang(tiny_llama):
+    srv = start_server(tiny_llama)
+    try:
+        srv.loop.stop()  # the engine thread is gone: nobody can take a snapshot
+        with httpx.Client(timeout=10) as c:
+            r = c.get(srv.url + "/kv/snapshot", headers=AUTH)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    finally:
+        srv.stop()
