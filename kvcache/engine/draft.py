@@ -68,13 +68,14 @@ class DraftProposer:
     """Owns the draft model and its KV cache; `propose` fills `seq.draft` for the sequences it is given."""
 
     def __init__(self, loaded: LoadedModel, max_model_len: int, device: torch.device, dtype: torch.dtype,
-                 kv_dtype: str, quantization: str, backend: str) -> None:
+                 kv_dtype: str, quantization: str, backend: str, max_tokens: int = 2048) -> None:
         """`loaded`: the draft checkpoint, passed by read_draft; its weights are read here (before the KV budget
         is split), its cache is made by make_cache."""
         self.shape = shape_from_config(loaded.config.to_dict(), name=loaded.source)
         if "mla" in self.shape.layer_kinds:
             check_latent_format(kv_dtype)
         self.device, self.dtype, self.kv_dtype = device, dtype, kv_dtype
+        self.max_tokens = max_tokens  # tokens per draft forward at most (the target's max_num_batched_tokens)
         self.backend = backend  # the target's, resolved for the same device, dtype, KV format and block size
         # the engine keeps a proposal inside max_model_len, so the draft feeds no position beyond it
         self.model = build_model(loaded, max_model_len, device, dtype, quantization)
@@ -110,7 +111,8 @@ class DraftProposer:
         if not live:
             return
         probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq, _ in live if not seq.params.greedy}
-        # first forward: what each sequence's draft cache lacks, up to its last token
+        self._catch_up(live)
+        # first proposing forward: what each sequence's draft cache still lacks (its last token at least)
         chunks = [(seq, seq.token_ids[len(self.seqs[seq.seq_id].tokens):]) for seq, _ in live]
         for j in range(max(k for _, k in live)):
             for (seq, fed), token in zip(chunks, self._forward(chunks, probs, eos_token_id)):
@@ -120,6 +122,32 @@ class DraftProposer:
         for seq, _ in live:
             if seq.seq_id in probs:
                 seq.draft_probs = torch.stack(probs[seq.seq_id])
+
+    def _catch_up(self, live: list[tuple[object, int]]) -> None:
+        """Compute what the sequences' draft caches lack, in forwards of at most `max_tokens` tokens that need no
+        logits, until the first proposing forward (the rest and each last token) fits in `max_tokens` (a new
+        request's prompt, or one back from a preemption, is the draft's prefill: chunked as the target's is, so no
+        draft forward is larger than a target step)."""
+        budget = self.max_tokens
+        while True:
+            # tokens before each one's last that the draft has not computed, the largest first
+            lags = sorted(((len(seq.token_ids) - len(self.seqs[seq.seq_id].tokens) - 1, seq) for seq, _ in live),
+                          key=lambda x: -x[0])
+            if sum(lag + 1 for lag, _ in lags) <= budget:  # the first proposing forward fits as it is
+                return
+            chunks, left = [], budget
+            for lag, seq in lags:
+                if lag > 0 and left > 0:
+                    done, n = len(self.seqs[seq.seq_id].tokens), min(lag, left)
+                    chunks.append((seq, seq.token_ids[done:done + n]))
+                    left -= n
+            if not chunks:  # more sequences than the budget has tokens: one token each is the floor
+                return
+            specs = [SeqChunk(fed, len(self.seqs[seq.seq_id].tokens), self.kv.block_tables[seq.seq_id],
+                              needs_logits=False, seq_id=seq.seq_id) for seq, fed in chunks]
+            self.runner.forward(specs)
+            for seq, fed in chunks:
+                self.seqs[seq.seq_id].tokens.extend(fed)
 
     def _prepare(self, seq, k: int) -> bool:
         """Keep the draft's cached tokens that agree with `seq`'s (always fewer than it has: its last token is new

@@ -120,7 +120,7 @@ class LLMEngine:
         self.model = build_model(loaded, self.max_model_len, self.device, self.dtype, config.quantization)
         self.drafter = None if draft is None else DraftProposer(
             draft, self.max_model_len, self.device, self.dtype, self.kv_dtype,
-            spec.quantization or config.quantization, self.backend)
+            spec.quantization or config.quantization, self.backend, config.max_num_batched_tokens)
         self.budget, self.capacity = kv_capacity(config, self.device, self.model, self.shape, self.kv_dtype,
                                                  self.max_model_len, self.backend,
                                                  self.drafter.bytes_per_token if self.drafter else 0)
@@ -660,9 +660,11 @@ class LLMEngine:
         except Exception as e:
             log.warning("sampling a batch of %d rows failed (%s: %s); sampling them one by one", len(rows),
                         type(e).__name__, e)
-            pairs, errors = [], {}
+            pairs, errors, restored = [], {}, set()
             for i, (row, state) in enumerate(zip(rows, states)):
-                if state is not None:
+                # once per generator: a speculating sequence's rows draw one after another from it
+                if state is not None and id(row.generator) not in restored:
+                    restored.add(id(row.generator))
                     row.generator.set_state(state)
                 try:
                     one = sample(logits[i:i + 1], [row], eos)

@@ -288,9 +288,9 @@ def probabilities(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: i
             weights = weights / weights.sum(-1, keepdim=True)
             if ids is None:
                 probs[at] = weights
-            else:
+            else:  # rows decided at a narrower width are padded with id 0 and weight 0: add, never overwrite
                 probs[at] = torch.zeros(len(idx), logits.shape[1], dtype=probs.dtype,
-                                        device=probs.device).scatter_(1, ids, weights)
+                                        device=probs.device).scatter_add_(1, ids, weights)
     return probs
 
 

@@ -236,9 +236,14 @@ class Guard:
                                       code="internal_error"))(scope, receive, send_with_id)
 
     def _refusal(self, scope) -> APIError | None:
-        """A missing or wrong API key (401) or a declared body over the limit (413), else None."""
+        """A declared body over the limit (413, checked first: the KV page's login form is open) or a missing or wrong
+        API key (401), else None."""
         headers = dict(scope["headers"])
         path = scope["path"]
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and len(length) < 20 and int(length) > self.max_body_bytes:
+            return APIError(413, f"request body of {int(length):,} bytes is over the {self.max_body_bytes:,}-byte "
+                                 "limit", code="body_too_large")
         if self.expected_auth and path not in OPEN_PATHS:
             ok = hmac.compare_digest(headers.get(b"authorization", b""), self.expected_auth)
             if not ok and (path == "/kv" or path.startswith("/kv/")):  # the KV page: its cookie will do too
@@ -249,10 +254,6 @@ class Guard:
                 return APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
                                 type="authentication_error", code="invalid_api_key")
             scope["state"]["authorized"] = True
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and len(length) < 20 and int(length) > self.max_body_bytes:
-            return APIError(413, f"request body of {int(length):,} bytes is over the {self.max_body_bytes:,}-byte "
-                                 "limit", code="body_too_large")
         return None
 
 

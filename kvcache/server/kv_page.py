@@ -30,6 +30,7 @@ from kvcache.server.kv_snapshot import SnapshotHub
 COOKIE = "kvcache_kv"
 PAGE_PATHS = ("/kv", "/kv/", "/kv/login")  # reachable without the key: the page answers its login form
 HISTORY_SAMPLE_S = 2.0  # the health history is sampled this often while nobody watches
+LOGIN_BODY_BYTES = 4096
 
 
 def session_token(api_key: str) -> str:
@@ -54,12 +55,14 @@ def add_routes(app: FastAPI, loop, metrics, api_key: str | None, show_text: bool
                interval_s: float = 1.0) -> SnapshotHub:
     """The /kv routes on `app` over the engine `loop`; returns their SnapshotHub."""
     prev: dict = {}
+    lock = threading.Lock()  # the history thread and the viewers' snapshots both call health()
 
     def health() -> dict:
         """kvcache top's figures now, rates over the time since the last call (the same code as top's)."""
-        cur, now = top.read_samples(metrics.render().decode()), time.monotonic()
-        snap = top.snapshot(cur, prev.get("samples"), now - prev["t"] if prev else None)
-        prev.update(samples=cur, t=now)
+        with lock:
+            cur, now = top.read_samples(metrics.render().decode()), time.monotonic()
+            snap = top.snapshot(cur, prev.get("samples"), now - prev["t"] if prev else None)
+            prev.update(samples=cur, t=now)
         snap["warnings"] = top.warnings_for(snap)
         snap["time"] = time.time()
         return snap
@@ -92,7 +95,12 @@ def add_routes(app: FastAPI, loop, metrics, api_key: str | None, show_text: bool
 
     @app.post("/kv/login")
     async def kv_login(request: Request):
-        body = (await request.body())[:4096].decode("utf-8", "replace")
+        raw = bytearray()
+        async for part in request.stream():  # open to anyone: read 4 KiB at most, whatever the body claims
+            raw += part
+            if len(raw) > LOGIN_BODY_BYTES:
+                return HTMLResponse(login.replace("{{error}}", "request too large"), status_code=413)
+        body = raw.decode("utf-8", "replace")
         key = (parse_qs(body).get("key") or [""])[0]
         if not api_key:
             return RedirectResponse("/kv", status_code=303)
@@ -119,14 +127,19 @@ def add_routes(app: FastAPI, loop, metrics, api_key: str | None, show_text: bool
 
     @app.get("/kv/stream")
     async def kv_stream(request: Request):
+        first = await _json(hub)  # a dead engine answers 503 here, before any event is sent
+
         async def events():
-            last = None
+            last, text = None, first
             while not await request.is_disconnected():
-                text = await _json(hub)
                 if text is not last:
                     last = text
                     yield f"data: {text}\n\n"
                 await asyncio.sleep(hub.interval_s)
+                try:
+                    text = await _json(hub)
+                except APIError:  # the engine stopped: the stream ends (EventSource reconnects and gets the 503)
+                    return
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
     return hub

@@ -17,7 +17,7 @@ Schema (version 1), every count in blocks unless named otherwise:
   (hash mode; the radix tree keys its nodes by tokens; an idle cached block is shown by its chain), `hits`: {block id: prefix-cache hits since it was last handed out}
   for blocks with any;
 - `requests`: [{`id`, `status`, `prompt_tokens`, `prefix_hit_tokens` (found cached at admission), `text` (only with
-  `--kv-page-show-text`), `seqs`: [{`index`, `blocks` (its table, 0 where a window gave a block back), `slots`
+  `--kv-page-show-text`, its first 2,000 characters), `seqs`: [{`index`, `blocks` (its table, 0 where a window gave a block back), `slots`
   (tokens in its cache: a block's fill is min(block_size, slots - i x block_size)), `tokens`, `private` (blocks),
   `eviction` (policy and tokens evicted, or null)}]}];
 - `prefix`: {`mode`, `groups`: the largest subtrees, each {`blocks`, `hits`, `age` (lookups since its last use, radix)
@@ -41,6 +41,7 @@ STATES = "n.uscUSp"  # by code: null, free, used, shared, cached idle, used and 
 MAX_GROUPS = 16  # prefix subtrees or chains listed, the largest first
 MAX_NODES = 24  # radix nodes listed per subtree
 HISTORY = 600  # health samples kept (10 minutes at the default 1 s interval)
+TEXT_CHARS = 2000  # of a prompt's text, with --kv-page-show-text
 
 
 def take(engine, show_text: bool = False) -> dict:
@@ -116,8 +117,9 @@ def _requests(engine, show_text: bool) -> list[dict]:
             continue
         item = {"id": rid, "status": running[0].status.value, "prompt_tokens": len(req.prompt_token_ids),
                 "prefix_hit_tokens": req.seqs[0].num_cached_tokens, "seqs": []}
-        if show_text:
-            item["text"] = req.prompt if req.prompt is not None else engine.tokenizer.decode(req.prompt_token_ids)
+        if show_text:  # bounded: this runs on the engine thread
+            item["text"] = req.prompt[:TEXT_CHARS] if req.prompt is not None else \
+                engine.tokenizer.decode(req.prompt_token_ids[:TEXT_CHARS // 4])[:TEXT_CHARS]
         for s in running:
             ev = s.eviction
             item["seqs"].append({
@@ -132,7 +134,8 @@ def _requests(engine, show_text: bool) -> list[dict]:
 def _radix_groups(kv) -> dict:
     """The tree's largest subtrees (children of the roots), each with its top nodes, largest first."""
     tree, pool = kv.radix, kv.pool
-    now = next(tree._clock)  # a tick of the logical clock (lookups), so ages are counted in lookups
+    # ages in lookups, counted from the latest one (reading the tree's clock would tick it)
+    now = max((r.last_access for r in tree.roots.values()), default=0)
     size: dict[int, int] = {}
 
     def subtree(node) -> int:  # iterative post-order: the tree can be deep

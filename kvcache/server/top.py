@@ -57,7 +57,9 @@ def fetch_samples(client: httpx.Client, url: str, api_key: str | None = None) ->
     if resp.status_code == 404:  # no KV page here: the Prometheus text has the same figures
         return read_samples(fetch_metrics(client, url))
     if resp.status_code == 401:
-        raise ValueError(f"{target} needs the server's API key: give --api-key (or set KVCACHE_API_KEY)")
+        if not api_key:  # /metrics is open: the figures are there too, as before the KV page
+            return read_samples(fetch_metrics(client, url))
+        raise ValueError(f"{target} refused the API key given (--api-key or KVCACHE_API_KEY)")
     if resp.status_code != 200:
         raise ValueError(f"{target} answered HTTP {resp.status_code}; is this a kvcache server?")
     try:

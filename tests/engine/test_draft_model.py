@@ -199,3 +199,22 @@ def test_a_failing_draft_forward_costs_a_step_its_proposals_not_the_requests(tin
     assert _greedy(llm, prompts, max_tokens) == plain
     assert len(calls) >= 6 and llm.kv_cache_info()["spec_decode_num_accepted_tokens"] > 0
     llm.engine.drafter.check_no_leaks()
+
+
+def test_the_drafts_catch_up_is_chunked_at_the_token_budget(tiny_llama, monkeypatch):
+    """Long prompts' draft prefill runs in forwards of at most max_num_batched_tokens tokens, as the target's does;
+    the outputs stay plain decoding's."""
+    prompts, _ = _workload(seed=12, n=4)
+    prompts = [(p * 20)[:400] for p in prompts]
+    kw = dict(kv_cache_memory="16MiB", max_num_batched_tokens=64)
+    plain = _greedy(LLM(tiny_llama, **kw), prompts, [20] * 4)
+    llm = LLM(tiny_llama, speculative_config=_draft(tiny_llama), **_with_draft_cache(kw))
+    forward, sizes = llm.engine.drafter.runner.forward, []
+
+    def counted(specs):
+        sizes.append(sum(len(c.token_ids) for c in specs))
+        return forward(specs)
+    monkeypatch.setattr(llm.engine.drafter.runner, "forward", counted)
+    assert _greedy(llm, prompts, [20] * 4) == plain
+    assert max(sizes) <= 64 + 4 and sum(s > 32 for s in sizes) >= 4  # chunks of the prompts, none above the budget
+    llm.engine.drafter.check_no_leaks()

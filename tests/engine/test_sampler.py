@@ -533,3 +533,17 @@ def test_rejection_sampling_keeps_the_target_distribution(seed):
     assert chi2 < 20.5, (counts.tolist(), want.tolist())
     rate = torch.minimum(p, q).sum().item()
     assert abs(accepted / n - rate) < 4 * (rate * (1 - rate) / n) ** 0.5
+
+
+def test_probabilities_of_rows_decided_at_different_widths_keep_token_0():
+    """truncate pads a row decided among the 64 most likely tokens with id 0 and weight 0 when another row needs
+    the whole vocabulary: token 0's probability must survive that padding."""
+    vocab = 5000
+    peaked = torch.full((vocab,), -10.0)
+    peaked[0], peaked[1], peaked[2] = 5.0, 5.0, 4.0
+    flat = torch.zeros(vocab)
+    alone = sampler.probabilities(peaked[None], [row(temperature=1.0, top_p=0.9)])
+    both = sampler.probabilities(torch.stack([peaked, flat]), [row(temperature=1.0, top_p=0.9)] * 2)
+    assert alone[0, 0] > 0.4
+    torch.testing.assert_close(both[0], alone[0])
+    torch.testing.assert_close(both.sum(-1), torch.ones(2))

@@ -93,6 +93,15 @@ def _run_requests(url: str, n: int = 3, max_tokens: int = 300) -> threading.Thre
     return threads[0]
 
 
+def _raw_post_status(url: str, path: str, declared: int) -> int:
+    """The status a POST gets when its Content-Length declares `declared` bytes and none are sent."""
+    import socket
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {declared}\r\n\r\n".encode())
+        return int(sock.recv(4096).split(b" ", 2)[1])
+
+
 def test_the_api_needs_the_key_or_the_login_cookie(slow_live):
     url = slow_live.url
     with httpx.Client(timeout=10) as c:
@@ -102,6 +111,9 @@ def test_the_api_needs_the_key_or_the_login_cookie(slow_live):
         assert page.status_code == 401 and 'action="/kv/login"' in page.text and "API key" in page.text
         assert c.get(f"{url}/kv/nothing", headers=AUTH).status_code == 404
         assert c.get(f"{url}/kv/snapshot?part=blocks", headers=AUTH).status_code == 400
+        big = c.post(f"{url}/kv/login", content=b"key=" + b"x" * 10_000)  # the open form reads 4 KiB at most
+        assert big.status_code == 413
+        assert _raw_post_status(url, "/kv/login", 99_999_999_999) == 413  # refused on its header, before any read
         wrong = c.post(f"{url}/kv/login", data={"key": "nope"}, follow_redirects=False)
         assert wrong.status_code == 401 and "wrong key" in wrong.text and "set-cookie" not in wrong.headers
         ok = c.post(f"{url}/kv/login", data={"key": API_KEY}, follow_redirects=False)
@@ -227,8 +239,11 @@ def test_kvcache_top_reads_the_kv_api_and_needs_the_key(slow_live, capsys):
     assert top.run(p.parse_args(["--url", slow_live.url, "--once", "--api-key", API_KEY])) == 0
     out = capsys.readouterr().out
     assert "Requests       running " in out and "KV cache       usage " in out
-    with pytest.raises(ValueError, match="needs the server's API key: give --api-key"):
-        top.run(p.parse_args(["--url", slow_live.url, "--once", "--api-key", ""]))
+    with pytest.raises(ValueError, match="refused the API key given"):
+        top.run(p.parse_args(["--url", slow_live.url, "--once", "--api-key", "wrong"]))
+    # no key: /metrics is open, and the figures are there too
+    assert top.run(p.parse_args(["--url", slow_live.url, "--once", "--api-key", ""])) == 0
+    assert "KV cache       usage " in capsys.readouterr().out
 
 
 def test_a_dead_engine_answers_503_not_a_hang(tiny_llama):
@@ -236,7 +251,8 @@ def test_a_dead_engine_answers_503_not_a_hang(tiny_llama):
     try:
         srv.loop.stop()  # the engine thread is gone: nobody can take a snapshot
         with httpx.Client(timeout=10) as c:
-            r = c.get(srv.url + "/kv/snapshot", headers=AUTH)
-            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            for path in ("/kv/snapshot", "/kv/stream"):
+                r = c.get(srv.url + path, headers=AUTH)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", path
     finally:
         srv.stop()
