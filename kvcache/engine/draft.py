@@ -2,7 +2,8 @@
 sequence's next k tokens, with its own paged KV cache.
 
 The draft has its own model, store, KVCacheManager and runner (the same code as the target's); the KV budget
-holds both caches with as many blocks each (vLLM's way: sizing.kv_capacity splits it). Per target sequence it remembers the tokens whose K/V its cache holds (`DraftSeq`);
+holds both caches with as many blocks each (vLLM's way: sizing.kv_capacity splits it). Per target sequence it
+remembers the tokens whose K/V its cache holds (`DraftSeq`);
 each step it compares them with the sequence's tokens (the accepted tokens may differ from what it guessed), keeps
 the common prefix, gives back the blocks past it, and runs k forwards batched over every speculating sequence: the
 first computes what the draft has not seen yet (the tokens verified since its last step, the last one included)
@@ -15,7 +16,8 @@ distribution q under the request's sampling parameters (temperature, top-k/top-p
 target's p is what makes proposals accepted), and the engine applies speculative sampling's rule
 (sampler.rejection_sample: accept with min(1, p/q), else draw from the normalised max(0, p - q)), so every token
 has the target's distribution whatever the draft proposes. A seeded request draws all of that from its generator:
-its outputs are reproducible, but not plain decoding's draws (n-gram's are).
+the same workload run again gives the same tokens, but not plain decoding's draws (n-gram's are), and anything
+that changes its proposals (a draft-pool miss, disable_by_batch_size, a trimmed proposal) changes its draws.
 
 Its blocks go back when the target sequence leaves the running set (finished, aborted, preempted): `retain`
 after every step. A sequence the draft pool has no room for does not speculate in that step.
@@ -180,10 +182,11 @@ class DraftProposer:
             # non-finite draft logits would make no distribution: such a row proposes its argmax, one-hot
             rows = [SamplingRow(seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids + seq.draft)
                     for seq, _ in (chunks[i] for i in sampled)]
-            q = probabilities(logits[sampled], rows, eos_token_id)
+            mine = logits[sampled]
+            q = probabilities(mine, rows, eos_token_id)
             bad = ~torch.isfinite(q).all(-1)
             if bad.any():
-                q[bad] = torch.nn.functional.one_hot(logits[sampled][bad].argmax(-1), q.shape[1]).to(q.dtype)
+                q[bad] = torch.nn.functional.one_hot(mine[bad].argmax(-1), q.shape[1]).to(q.dtype)
             for i, token in zip(sampled, draw(q, [r.generator for r in rows])):
                 tokens[i] = token
             for i, row in zip(sampled, q):

@@ -78,10 +78,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
     if processed or random_rows:
         logits.masked_fill_(~finite[:, None], 0.0)  # a failing row draws harmlessly; its token is dropped
     if processed:
-        # A logit divided by a repetition penalty that is 0 in float32 is inf: saturate it (it wins the draw).
-        fmax = torch.finfo(logits.dtype).max
-        logits = apply_penalties(logits, rows).clamp_(-fmax, fmax)
-        _mask_stop_tokens(logits, rows, eos_token_id)
+        logits = _process(logits, rows, eos_token_id)
 
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if greedy_rows:
@@ -228,6 +225,15 @@ def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.T
     return weights, ids
 
 
+def _process(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None) -> torch.Tensor:
+    """The penalties and min_tokens masking of `rows`, in place (a contiguous copy if `logits` was not)."""
+    # A logit divided by a repetition penalty that is 0 in float32 is inf: saturate it (it wins the draw).
+    fmax = torch.finfo(logits.dtype).max
+    logits = apply_penalties(logits, rows).clamp_(-fmax, fmax)
+    _mask_stop_tokens(logits, rows, eos_token_id)
+    return logits
+
+
 def _penalized(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0 or p.presence_penalty != 0
 
@@ -273,9 +279,7 @@ def probabilities(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: i
     min-p. Rows must be finite (the caller checks). The logits are not modified."""
     logits = logits.float().clone()
     if any(_penalized(r.params) or len(r.output_token_ids) < r.params.min_tokens for r in rows):
-        fmax = torch.finfo(logits.dtype).max
-        logits = apply_penalties(logits, rows).clamp_(-fmax, fmax)
-        _mask_stop_tokens(logits, rows, eos_token_id)
+        logits = _process(logits, rows, eos_token_id)
     probs = torch.zeros_like(logits)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:

@@ -57,14 +57,22 @@ def add_routes(app: FastAPI, loop, metrics, api_key: str | None, show_text: bool
     prev: dict = {}
     lock = threading.Lock()  # the history thread and the viewers' snapshots both call health()
 
-    def health() -> dict:
-        """kvcache top's figures now, rates over the time since the last call (the same code as top's)."""
-        with lock:
-            cur, now = top.read_samples(metrics.render().decode()), time.monotonic()
-            snap = top.snapshot(cur, prev.get("samples"), now - prev["t"] if prev else None)
-            prev.update(samples=cur, t=now)
+    def samples() -> dict[str, float]:
+        return top.read_samples(metrics.render().decode())
+
+    def figures(cur: dict[str, float], before: dict[str, float] | None = None, dt: float | None = None) -> dict:
+        """kvcache top's figures and warnings (the same code as top's), rates over `dt` seconds since `before`."""
+        snap = top.snapshot(cur, before, dt)
         snap["warnings"] = top.warnings_for(snap)
         snap["time"] = time.time()
+        return snap
+
+    def health() -> dict:
+        """The figures now, rates over the time since the last call."""
+        with lock:
+            cur, now = samples(), time.monotonic()
+            snap = figures(cur, prev.get("samples"), now - prev["t"] if prev else None)
+            prev.update(samples=cur, t=now)
         return snap
 
     hub = SnapshotHub(lambda fut, ev_loop: loop.request_snapshot(fut, ev_loop, show_text), health, interval_s)
@@ -118,10 +126,9 @@ def add_routes(app: FastAPI, loop, metrics, api_key: str | None, show_text: bool
                                                   "type": "invalid_request_error"}}), 400,
                             media_type="application/json")
         if part == "health":  # light: no engine-thread work; the samples let `kvcache top` keep its own window
-            samples = await asyncio.to_thread(lambda: top.read_samples(metrics.render().decode()))
-            h = top.snapshot(samples)
-            h["warnings"] = top.warnings_for(h)
-            return Response(json.dumps({"version": 1, "time": time.time(), "health": h, "samples": samples}),
+            cur = await asyncio.to_thread(samples)
+            h = figures(cur)
+            return Response(json.dumps({"version": 1, "time": h["time"], "health": h, "samples": cur}),
                             media_type="application/json")
         return Response(await _json(hub), media_type="application/json")
 

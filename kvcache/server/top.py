@@ -49,11 +49,7 @@ def fetch_samples(client: httpx.Client, url: str, api_key: str | None = None) ->
     """This poll's samples: from the KV page's API (with the key, where the server has one), else /metrics.
     Raises MetricsUnreachableError, or ValueError on an HTTP error (401: the key is missing or wrong)."""
     target = f"{url}/kv/snapshot?part=health"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = client.get(target, headers=headers)
-    except httpx.TransportError as e:
-        raise MetricsUnreachableError(f"cannot reach {target}: {str(e) or type(e).__name__}") from e
+    resp = _get(client, target, {"Authorization": f"Bearer {api_key}"} if api_key else {})
     if resp.status_code == 404:  # no KV page here: the Prometheus text has the same figures
         return read_samples(fetch_metrics(client, url))
     if resp.status_code == 401:
@@ -71,13 +67,18 @@ def fetch_samples(client: httpx.Client, url: str, api_key: str | None = None) ->
     return samples
 
 
+def _get(client: httpx.Client, target: str, headers: dict | None = None) -> httpx.Response:
+    """GET `target`; MetricsUnreachableError if it cannot be reached (refused, timed out, bad host or scheme)."""
+    try:
+        return client.get(target, headers=headers)
+    except httpx.TransportError as e:
+        raise MetricsUnreachableError(f"cannot reach {target}: {str(e) or type(e).__name__}") from e
+
+
 def fetch_metrics(client: httpx.Client, url: str) -> str:
     """The Prometheus text at `url`/metrics. Raises MetricsUnreachableError, or ValueError on an HTTP error."""
     target = f"{url}/metrics"
-    try:
-        resp = client.get(target)
-    except httpx.TransportError as e:  # refused, timed out, bad host or scheme
-        raise MetricsUnreachableError(f"cannot reach {target}: {str(e) or type(e).__name__}") from e
+    resp = _get(client, target)
     if resp.status_code != 200:
         raise ValueError(f"{target} answered HTTP {resp.status_code}; is this a kvcache server?")
     return resp.text
@@ -286,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
             while True:
                 t = time.monotonic()
                 try:
-                    cur = fetch_samples(client, url, getattr(args, "api_key", None))
+                    cur = fetch_samples(client, url, args.api_key)
                 except (MetricsUnreachableError, ValueError) as e:
                     if prev is None or args.once:
                         raise
