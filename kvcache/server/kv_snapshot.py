@@ -61,11 +61,11 @@ def capture(engine, show_text: bool = False) -> dict:
         "keys": None if kv.radix else list(pool.keys),  # BlockKeys are immutable: a shallow copy is a snapshot
         "generation": None if kv.radix else list(pool.generation),
         "free_order": None if kv.radix else list(pool._free),
-        "tree_blocks": [b for node in kv.radix._nodes() for b in node.blocks] if kv.radix else None,
         "hits": list(pool.hits),
         "requests": _requests(engine, show_text),
-        "prefix": _radix_groups(kv) if kv.radix else None,
     }
+    # the radix tree's nodes change: its groups, and the blocks it holds, are taken in one walk here
+    raw["prefix"], raw["tree_blocks"] = _radix_groups(kv) if kv.radix else (None, None)
     raw["took_ms"] = (time.perf_counter() - started) * 1000
     return raw
 
@@ -131,18 +131,21 @@ def _requests(engine, show_text: bool) -> list[dict]:
     return out
 
 
-def _radix_groups(kv) -> dict:
-    """The tree's largest subtrees (children of the roots), each with its top nodes, largest first."""
+def _radix_groups(kv) -> tuple[dict, list[int]]:
+    """The tree's largest subtrees (children of the roots), each with its top nodes, largest first; and every
+    block the tree holds (the same walk)."""
     tree, pool = kv.radix, kv.pool
     # ages in lookups, counted from the latest one (reading the tree's clock would tick it)
     now = max((r.last_access for r in tree.roots.values()), default=0)
     size: dict[int, int] = {}
+    held_blocks: list[int] = []
 
     def subtree(node) -> int:  # iterative post-order: the tree can be deep
         stack, order = [node], []
         while stack:
             x = stack.pop()
             order.append(x)
+            held_blocks.extend(x.blocks)
             stack.extend(x.children.values())
         for x in reversed(order):
             size[id(x)] = len(x.blocks) + sum(size[id(c)] for c in x.children.values())
@@ -165,7 +168,7 @@ def _radix_groups(kv) -> dict:
             stack.extend((c, depth + 1) for c in kids)
         out.append({"blocks": blocks, "hits": nodes[0]["hits"], "age": nodes[0]["age"],
                     "held": sum(pool.ref_counts[b] > 1 for b in top.blocks), "nodes": nodes})
-    return {"mode": "radix", "num_groups": len(groups), "groups": out}
+    return {"mode": "radix", "num_groups": len(groups), "groups": out}, held_blocks
 
 
 def _hash_groups(raw: dict, cached: list[int], held: np.ndarray) -> dict:
@@ -238,7 +241,8 @@ class SnapshotHub:
         snap = dict(await asyncio.to_thread(build, await taken), interval_s=self.interval_s)
         snap["health"] = await asyncio.to_thread(self.health)
         self.record(snap["health"])
-        snap["history"] = list(self.history)
+        with self._lock:  # the history thread appends meanwhile: a deque cannot be iterated while it grows
+            snap["history"] = list(self.history)
         self.latest = snap
         self.taken += 1
         return snap
