@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding as JSON, vLLM\'s fields: \'{"method": "ngram", "num_speculative_tokens": '
                         '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": '
                         'PATH, "num_speculative_tokens": 4, "quantization": "int4"}\' (see README)')
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="models mixing full and sliding-window layers (Gemma-2/3): one block table of every layer, "
+                        "every block kept, instead of a table per layer group whose sliding groups give blocks back")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="recompute: a preempted request's KV is freed and prefilled again when it resumes; swap: it "
                         "goes to the cpu tier (--kv-offload-memory), else the disk tier, and comes back (recompute "

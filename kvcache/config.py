@@ -109,6 +109,9 @@ class EngineConfig:
     # Speculative decoding, vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (a dict or its JSON text); None = none (engine/spec_decode.py)
     speculative_config: dict | str | None = None
+    # Models mixing full and sliding-window layers keep one block table per layer group (vLLM's hybrid KV cache
+    # manager, memory/layer_groups.py); True keeps one table of every layer, every block (vLLM's flag of this name)
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":

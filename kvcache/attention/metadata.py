@@ -90,6 +90,13 @@ class ForwardBatch:
     capture_rows: torch.Tensor | None = None  # rows whose post-RoPE queries each layer appends to captured_q
     captured_q: list[torch.Tensor] = field(default_factory=list)
     backend: str = "cpu"  # whose kernels decode_kernel means, and (triton) who attends cached prefills
+    # Per-layer-group block tables (memory/layer_groups.py): layer i reads and writes through layer_batches[i], the
+    # batch built on its group's tables (same tokens, other slots and blocks); None: this batch serves every layer
+    layer_batches: list[ForwardBatch] | None = None
+
+    def for_layer(self, i: int) -> ForwardBatch:
+        """The batch layer i attends with."""
+        return self.layer_batches[i] if self.layer_batches else self
 
     @property
     def num_tokens(self) -> int:

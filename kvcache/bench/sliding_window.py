@@ -3,13 +3,15 @@
 Random-weight models of two shapes, built on the spot with transformers' config classes (no model hub):
 - `mistral`: every layer slides with one window (Mistral-7B-v0.1's layout): the engine gives back each block no
   future query can see, so a sequence holds its window's blocks and one more, however long it grows.
-- `gemma3`: 5 local layers to 1 global (Gemma-3's layout): one block table serves every layer and the global
-  layers need every token, so every block is kept (per-layer-group tables are what would free the local ones).
+- `gemma3`: 5 local layers to 1 global (Gemma-3's layout): per-layer-group tables (memory/layer_groups.py), one
+  block holding one layer; the local layers' groups give back their out-of-window blocks, the global one keeps
+  every block.
 
-Each shape runs twice in one process, with the blocks given back and as one table keeping them all (the engine's
-`release_window` cleared: the baseline), on the same prompts:
-1. Memory per request against context length: one request at a time, its largest number of blocks held at once
-   after any step, against the planner's figure (`cache_capacity`: what `kvcache plan` and the start-up count).
+Each shape runs twice in one process, with the blocks given back and as one table of every layer keeping them all
+(the baseline: the engine's `release_window` cleared for Mistral, --disable-hybrid-kv-cache-manager for Gemma-3),
+on the same prompts and the same KV budget in bytes (the two layouts' blocks differ in size, so memory is in bytes):
+1. Memory per request against context length: one request at a time, the most KV bytes it holds at once after any
+   step, against the planner's figure (`cache_capacity`: what `kvcache plan` and the start-up count).
 2. Concurrency at a fixed pool: requests of 8x the window, all submitted at once, into a pool that holds 4 of them
    whole: how many decode at once (mean over steps, and the most), the steps and the time to finish them all,
    the preemptions, and whether both runs gave the same greedy tokens (the exit status says so too).
@@ -44,14 +46,20 @@ def _config(shape: str, window: int, max_len: int):
     return Gemma3TextConfig(num_hidden_layers=6, query_pre_attn_scalar=32, **common)  # layers 0-4 local, 5 global
 
 
-def _engine(path: str, args, per_block: int, num_blocks: int, release: bool, max_len: int):
-    """An engine of `num_blocks` blocks (`per_block` bytes each) on `path`, with or without blocks given back."""
+def _engine(path: str, args, budget: int, release: bool, max_len: int):
+    """An engine with a KV budget of `budget` bytes on `path`, with or without blocks given back."""
     from kvcache.engine.llm import LLM
-    llm = LLM(path, kv_cache_memory=num_blocks * per_block, block_size=args.block_size,
-              max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256)
+    llm = LLM(path, kv_cache_memory=budget, block_size=args.block_size, max_model_len=max_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
+              disable_hybrid_kv_cache_manager=not release)
     if not release:
         llm.engine.release_window = None  # the baseline: one table keeping every block
     return llm
+
+
+def _block_bytes(llm) -> int:
+    c = llm.engine.capacity
+    return c.bytes_per_token * c.block_size
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -59,8 +67,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _peak_per_request(llm, length: int, prompt_len: int) -> int:
-    """Most blocks one request of `length` tokens holds at once: the engine's peak of blocks in use (taken in each
-    step after its forward, before any is given back), with that request alone in the pool."""
+    """Most KV bytes one request of `length` tokens holds at once: the engine's peak of blocks in use (taken in each
+    step after its forward, before any is given back), with that request alone in the pool, times a block's bytes."""
     from kvcache.engine.sampling_params import SamplingParams
     eng = llm.engine
     eng.add_request("one", _prompt(prompt_len, 1), SamplingParams(temperature=0, max_tokens=length - prompt_len,
@@ -68,7 +76,7 @@ def _peak_per_request(llm, length: int, prompt_len: int) -> int:
     while eng.has_unfinished_requests():
         eng.step()
     eng.check_no_leaks()
-    return eng.stats.peak_used_blocks
+    return eng.stats.peak_used_blocks * _block_bytes(llm)
 
 
 def _concurrency(llm, n: int, length: int, prompt_len: int) -> dict:
@@ -101,24 +109,24 @@ def _shape(shape: str, args, root: str) -> dict:
     max_len = max(lengths + [long]) + 1
     path = save_random_checkpoint(os.path.join(root, shape), _config(shape, args.window, max_len))
     model_shape = load_model_shape(path)
-    per_block = kv_bytes_per_token(model_shape, "float32") * args.block_size
+    per_block = kv_bytes_per_token(model_shape, "float32") * args.block_size  # every layer's
     prompt_len = min(32, min(lengths) - 1)
     rows = []
     for length in lengths:
         c = cache_capacity(model_shape, "float32", 2**30, args.block_size, length)
-        row = {"length": length, "all_blocks": blocks_for(length, args.block_size),
-               "planner": round(c.num_blocks / c.max_concurrency)}
-        for release, key in ((True, "given_back"), (False, "one_table")):
-            row[key] = _peak_per_request(_engine(path, args, per_block, 4096, release, max_len), length, prompt_len)
+        row = {"length": length, "all_bytes": blocks_for(length, args.block_size) * per_block,
+               "planner_bytes": c.blocks_per_request * c.bytes_per_token * args.block_size}
+        for release, key in ((True, "given_back_bytes"), (False, "one_table_bytes")):
+            row[key] = _peak_per_request(_engine(path, args, 4096 * per_block, release, max_len), length, prompt_len)
         rows.append(row)
-    pool = 4 * blocks_for(long, args.block_size)
-    runs = {key: _concurrency(_engine(path, args, per_block, pool, release, max_len), args.requests, long, 64)
+    pool = 4 * blocks_for(long, args.block_size) * per_block
+    runs = {key: _concurrency(_engine(path, args, pool, release, max_len), args.requests, long, 64)
             for release, key in ((True, "given_back"), (False, "one_table"))}
     same = runs["given_back"]["tokens"] == runs["one_table"]["tokens"]
     for r in runs.values():
         del r["tokens"]
     return {"shape": shape, "window": args.window, "block_size": args.block_size, "per_request": rows,
-            "concurrency": {"pool_blocks": pool, "request_tokens": long, "requests": args.requests, **runs,
+            "concurrency": {"pool_bytes": pool, "request_tokens": long, "requests": args.requests, **runs,
                             "same_tokens": same}}
 
 
@@ -129,15 +137,17 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as root:
         for shape in ("mistral", "gemma3"):
             results[shape] = r = _shape(shape, args, root)
-            print(f"\n{shape}-shaped (window {args.window}, block {args.block_size}): blocks one request holds at "
-                  "most")
-            print(f"{'tokens':>7} {'all':>6} {'given back':>11} {'one table':>10} {'planner':>8} {'saving':>7}")
+            print(f"\n{shape}-shaped (window {args.window}, block {args.block_size}): KiB of KV one request holds "
+                  "at most")
+            print(f"{'tokens':>7} {'all':>8} {'given back':>11} {'one table':>10} {'planner':>8} {'saving':>7}")
             for row in r["per_request"]:
-                print(f"{row['length']:>7} {row['all_blocks']:>6} {row['given_back']:>11} {row['one_table']:>10} "
-                      f"{row['planner']:>8} {row['one_table'] / row['given_back']:>6.2f}x")
+                kib = {k: row[k] / 1024 for k in ("all_bytes", "given_back_bytes", "one_table_bytes", "planner_bytes")}
+                print(f"{row['length']:>7} {kib['all_bytes']:>8,.0f} {kib['given_back_bytes']:>11,.0f} "
+                      f"{kib['one_table_bytes']:>10,.0f} {kib['planner_bytes']:>8,.0f} "
+                      f"{row['one_table_bytes'] / row['given_back_bytes']:>6.2f}x")
             c = r["concurrency"]
             g, o = c["given_back"], c["one_table"]
-            print(f"{c['requests']} requests of {c['request_tokens']} tokens, pool of {c['pool_blocks']} blocks: "
+            print(f"{c['requests']} requests of {c['request_tokens']} tokens, pool of {c['pool_bytes'] / 1024:,.0f} KiB: "
                   f"{g['mean_decoding']:.1f} decoding at once on average against {o['mean_decoding']:.1f} "
                   f"({g['mean_decoding'] / o['mean_decoding']:.2f}x; at most {g['most_decoding']} and "
                   f"{o['most_decoding']}), {g['steps']} steps against {o['steps']}, {g['elapsed_s']:.1f} s against "

@@ -4,9 +4,11 @@ Z. Cai, Y. Zhang, B. Gao, Y. Liu, T. Liu, K. Lu, W. Xiong, Y. Dong, B. Chang, J.
 Dynamic KV Cache Compression based on Pyramidal Information Funneling", 2024 (arXiv:2406.02069).
 
 The per-layer budgets follow the reference code (beta = 20) with kvpress's float step: they fall linearly
-with depth and average the requested budget. All layers share one block table, so a request holds the largest of them, layer 0's: the
-memory freed is that of layer 0's budget, not the average (the evaluation reports it). A layer that keeps
-fewer tokens leaves the first slots of its table unused and masked.
+with depth and average the requested budget. Every layer's survivors end at the same slot (layer 0's budget), so
+a layer that keeps fewer tokens leaves the first slots of its table dead and skipped. With PyramidKV as the engine's
+policy (--kv-eviction pyramidkv) each layer has its own block table (memory/layer_groups.py) and gives its whole
+dead blocks back to the pool: a request holds about the average budget. A request asking for pyramidkv on an
+engine with one table of every layer holds layer 0's budget in every layer (the evaluation reports the memory).
 """
 from __future__ import annotations
 

@@ -46,10 +46,20 @@ class Evictor:
     """Owns the eviction step of every sequence that has a policy (see the module docstring)."""
 
     def __init__(self, store, kv: KVCacheManager, num_layers: int, num_kv_heads: int, scale: float,
-                 device: torch.device) -> None:
+                 device: torch.device, layer_group: list[int] | None = None) -> None:
+        """`layer_group`: each layer's table group, where `kv` keeps one table per group (layer_groups.py): then each
+        layer's dead leading blocks (PyramidKV's smaller budgets) go back to the pool."""
         self.store, self.kv, self.scale, self.device = store, kv, scale, device
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.layer_group = layer_group
         self.stats = EvictionStats()
+
+    def _tables(self, seq_id: int) -> list[list[int]]:
+        """Each layer's block table of `seq_id`."""
+        if self.layer_group is None:
+            return [self.kv.block_tables[seq_id]] * self.num_layers
+        tables = self.kv.tables(seq_id)
+        return [tables[g] for g in self.layer_group]
 
     def new_state(self, spec: EvictionSpec, prompt_len: int, seed: int) -> EvictionState:
         """State for a sequence with a `prompt_len`-token prompt; ValueError if the budget cannot work."""
@@ -57,11 +67,12 @@ class Evictor:
         return EvictionState(get_policy(spec.policy), budget, prompt_len, self.num_layers, self.num_kv_heads,
                              torch.Generator().manual_seed(seed))
 
-    def _keys(self, table: list[int]):
+    def _keys(self, tables: list[list[int]]):
+        """keys(layer, n): the first n cached keys of `layer`, read through its table in `tables` (one per layer)."""
         bs = self.store.block_size
 
         def keys(layer: int, n: int) -> torch.Tensor:
-            blocks = torch.tensor(table[:-(-n // bs)], device=self.device)
+            blocks = torch.tensor(tables[layer][:-(-n // bs)], device=self.device)
             return self.store.gather(layer, blocks)[0].flatten(0, 1)[:n]
         return keys
 
@@ -72,7 +83,7 @@ class Evictor:
         if chunk.capture:
             slots = torch.arange(chunk.start + chunk.capture.start, chunk.start + chunk.capture.stop,
                                  device=self.device)
-            state.policy.observe(state, queries, slots, self._keys(self.kv.block_tables[seq_id]), self.scale)
+            state.policy.observe(state, queries, slots, self._keys(self._tables(seq_id)), self.scale)
         self._maybe_compact(seq_id, state, num_computed)
 
     def _maybe_compact(self, seq_id: int, state: EvictionState, num_computed: int) -> None:
@@ -93,20 +104,31 @@ class Evictor:
             state.pending = True
             self.stats.deferred += 1
             return
-        old, new = res
-        keep = state.policy.select(state, n, [top - s for s in starts], self._keys(old), self.scale)
-        old_t, new_t = torch.tensor(old, device=self.device), torch.tensor(new, device=self.device)
+        pairs = [res] if self.layer_group is None else res  # (old, new) per table
+        per_layer = [0] * self.num_layers if self.layer_group is None else self.layer_group
+        keep = state.policy.select(state, n, [top - s for s in starts], self._keys([pairs[t][0] for t in per_layer]),
+                                   self.scale)
+        moved = [(torch.tensor(old, device=self.device), torch.tensor(new, device=self.device)) for old, new in pairs]
         scores = torch.zeros_like(state.scores) if state.scores is not None else None  # h2o's, compacted alike
         for layer, idx in enumerate(keep):
+            old_t, new_t = moved[per_layer[layer]]
             idx = idx.to(self.device)
             dst = torch.arange(starts[layer], top, device=self.device).expand_as(idx)
             self.store.move_slots(layer, old_t[idx // bs] * bs + idx % bs, new_t[dst // bs] * bs + dst % bs)
             if scores is not None:
                 scores[layer, :, starts[layer]:top] = state.scores[layer].gather(1, idx.to(scores.device))
+        freed = sum(len(old) - len(new) for old, new in pairs)
+        if self.layer_group is not None:  # a table's dead leading blocks hold nothing its layers read: give them back
+            first: dict[int, int] = {}
+            for layer, start in enumerate(starts):
+                g = self.layer_group[layer]
+                first[g] = min(first.get(g, start), start)
+            for g, start in first.items():
+                freed += len(self.kv.groups[g].release_leading(seq_id, start))
         state.scores = scores
         state.layer_start = starts if any(starts) else None
         state.num_evicted += n - top
         state.pending = False
         self.stats.compactions += 1
         self.stats.evicted_tokens += n - top
-        self.stats.freed_blocks += len(old) - len(new)
+        self.stats.freed_blocks += freed

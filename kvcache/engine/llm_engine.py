@@ -8,6 +8,7 @@ EngineDeadError and must be rebuilt.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import numbers
@@ -30,12 +31,13 @@ from kvcache.engine.sampler import (SamplingRow, logprob_dicts, probabilities, r
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.sequence import Sequence
-from kvcache.engine.sizing import (kv_capacity, release_window, resolve_device_dtype, slow_half_precision,
-                                   why_every_block_is_kept)
+from kvcache.engine.sizing import (kv_capacity, layer_groups_for, peak_blocks, release_window, resolve_device_dtype,
+                                   slow_half_precision, why_every_block_is_kept)
 from kvcache.engine.spec_decode import ngram_propose
 from kvcache.engine.stop_checker import StopChecker
 from kvcache.memory.block_pool import OutOfBlocksError
 from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
+from kvcache.memory.layer_groups import GroupedKVCacheManager
 from kvcache.memory.kv_events import KVEventLog
 from kvcache.messages import describe
 from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
@@ -103,8 +105,12 @@ class LLMEngine:
         self._mla = "mla" in self.shape.layer_kinds
         if self._mla:
             check_latent_format(self.kv_dtype)  # before anything is loaded
-        self._sliding = any(w is not None for w in layer_windows(hf))
+        windows = layer_windows(hf)
+        self._sliding = any(w is not None for w in windows)
         self.release_window = release_window(self.shape, config)
+        self.layer_groups = layer_groups_for(self.shape, config, self.kv_dtype)  # [] : one table of every layer
+        if any(windows[i] != g.window for g in self.layer_groups for i in g.layers):
+            raise RuntimeError(f"the planner's layer groups {self.layer_groups} do not match the model's windows {windows}")
         self._kivi_group = KV_DTYPES[self.kv_dtype].group if KV_DTYPES[self.kv_dtype].scales == "kivi" else 0
         if config.eviction.enabled:
             self._check_eviction(config.eviction)
@@ -125,18 +131,34 @@ class LLMEngine:
                                                  self.max_model_len, self.backend,
                                                  self.drafter.bytes_per_token if self.drafter else 0)
         # One more physical block than the budget buys: block 0, the null block that pads tables.
-        self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size,
-                                 config.prefix_caching_algo if config.enable_prefix_caching else None,
-                                 seq_blocks=self.capacity.seq_blocks, events=self.kv_events)
+        caching = config.prefix_caching_algo if config.enable_prefix_caching else None
+        if self.layer_groups:
+            self.kv = GroupedKVCacheManager(self.capacity.num_blocks + 1, config.block_size,
+                                            [g.window for g in self.layer_groups], caching)
+        else:
+            self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size, caching,
+                                     seq_blocks=self.capacity.seq_blocks, events=self.kv_events)
+        group_of = {i: g for g, group in enumerate(self.layer_groups) for i in group.layers}
+        slot_of = {i: group.layers.index(i) for group in self.layer_groups for i in group.layers}
         kv_heads, head_dim, latent = self.model.kv_layout
-        self.store = make_store(self.shape.num_layers, self.capacity.num_blocks + 1, config.block_size, kv_heads,
-                                head_dim, self.kv_dtype, self.dtype, self.device, self.capacity.bytes_per_token, latent)
+        self.store = make_store(self.capacity.layers_per_block or self.shape.num_layers, self.capacity.num_blocks + 1,
+                                config.block_size, kv_heads, head_dim, self.kv_dtype, self.dtype, self.device,
+                                self.capacity.bytes_per_token, latent,
+                                [slot_of[i] for i in range(self.shape.num_layers)] if self.layer_groups else None)
         self.offload = make_offloader(tiers, self.store, loaded.source, self.kv_events, compute=str(self.dtype), kv=self.kv_dtype,
                                       block_size=config.block_size, quantization=config.quantization)
         self.scheduler = Scheduler(config, self.kv, self.offload)
-        if self._sliding:
+        if self.layer_groups:
+            kinds = collections.Counter("full" if g.window is None else f"sliding {g.window:,}"
+                                        for g in self.layer_groups)
+            log.info("per-layer-group block tables (%s groups of %d layers; a block holds one group's layers): %s",
+                     " + ".join(f"{n} {k}" for k, n in kinds.items()), self.capacity.layers_per_block,
+                     "sliding groups give back blocks older than their window as sequences advance" if self._sliding
+                     else "each layer's table gives back the blocks its eviction budget leaves dead (PyramidKV)")
+        elif self._sliding:
             log.info("sliding window: %s", f"blocks older than {self.release_window:,} tokens are given back as "
-                     "sequences advance" if self.release_window else why_every_block_is_kept(self.shape))
+                     "sequences advance" if self.release_window else
+                     why_every_block_is_kept(self.shape, config, self.kv_dtype))
         if self.backend == "triton" and hasattr(self.store, "raw"):
             from kvcache.attention.triton_attention import write_quantized
             self.store.fused_write = write_quantized
@@ -145,11 +167,13 @@ class LLMEngine:
             raise ValueError("speculative_config cannot be combined with a sliding window whose blocks are given back "
                              "(a rejected token would move the window past blocks still needed); use "
                              "--prefix-caching-algo radix to keep every block")
-        self.runner = ModelRunner(self.model, self.store, self.kv, self.device, self.backend)
+        self.runner = ModelRunner(self.model, self.store, self.kv, self.device, self.backend,
+                                  [group_of[i] for i in range(self.shape.num_layers)] if self.layer_groups else None)
         if self.drafter is not None:
             self.drafter.make_cache(self.capacity.num_blocks + 1, config.block_size)
         self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.shape.num_kv_heads,
-                               self.model.layers[0].scale, self.device)
+                               self.model.layers[0].scale, self.device,
+                               [group_of[i] for i in range(self.shape.num_layers)] if self.layer_groups else None)
         self.eos_token_ids = self._eos_ids(hf)
         self._sampler_eos = next(iter(self.eos_token_ids), None)  # the EOS min_tokens forbids
         self.requests: dict[str, Request] = {}
@@ -173,10 +197,8 @@ class LLMEngine:
         """The most blocks a sequence of `tokens` tokens holds at once: all of them, or where out-of-window blocks
         are given back and prefills are chunked, a window behind the largest chunk (window - 1 tokens before it,
         one block more for the alignment), however long it grows."""
-        bs, every = self.config.block_size, blocks_for(tokens, self.config.block_size)
-        if not self.release_window or not self.config.enable_chunked_prefill:
-            return every
-        return min(every, blocks_for(self.release_window - 1 + self.config.max_num_batched_tokens, bs) + 1)
+        windows = [g.window for g in self.layer_groups] or [self.release_window]
+        return peak_blocks(tokens, windows, self.config)
 
     def _check_eviction(self, spec: EvictionSpec) -> None:
         """ValueError if this engine cannot evict tokens under `spec`."""
@@ -422,6 +444,11 @@ class LLMEngine:
             self._isolated(seq, "caching its prefix blocks", self._cache_blocks, seq, to_store)
         if to_store:
             self.offload.store(to_store)
+        if self.layer_groups:  # after cache_blocks, as below
+            for seq, _ in chunks:
+                if seq.seq_id in self.kv.block_tables:
+                    self._isolated(seq, "giving back its out-of-window blocks", self.kv.slide, seq.seq_id,
+                                   seq.num_computed_tokens)
         if self.release_window:  # after cache_blocks: hash mode gives back registered blocks only
             for seq, _ in chunks:
                 if seq.seq_id in self.kv.block_tables:
@@ -773,6 +800,9 @@ class LLMEngine:
             "seq_blocks": c.seq_blocks, "residual_bytes_per_seq": residual_bytes_per_seq(self.shape, self.kv_dtype),
             "max_model_len": c.max_model_len, "max_concurrency": c.max_concurrency,
             "formula": kv_formula(self.shape, self.kv_dtype),
+            "layer_groups": [{"window": g.window, "layers": list(g.layers)} for g in self.layer_groups],
+            "layers_per_block": c.layers_per_block or self.shape.num_layers,
+            "blocks_per_request": c.blocks_per_request,
             "free_blocks": free, "used_blocks": kv.pool.num_usable - free,
             "usage": 1 - free / kv.pool.num_usable, "peak_used_blocks": self.stats.peak_used_blocks,
             "num_preemptions": self.scheduler.num_preemptions, "preemption_mode": self.config.preemption_mode,

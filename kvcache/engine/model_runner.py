@@ -1,13 +1,16 @@
 """Turns a scheduled step into the batch tensors, runs the model, returns logits."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from kvcache.attention.metadata import KiviLayout, SeqChunk, build_batch
+from kvcache.attention.metadata import ForwardBatch, KiviLayout, SeqChunk, build_batch
 from kvcache.engine.eviction import seq_chunk
 from kvcache.engine.sequence import Sequence
 from kvcache.memory.device_tables import DeviceBlockTables
 from kvcache.memory.kv_cache_manager import KVCacheManager
+from kvcache.memory.layer_groups import GroupedKVCacheManager
 from kvcache.models.llama import LlamaModel
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
@@ -19,9 +22,14 @@ SMALL_STEP_ROWS = 4  # at most this many tokens in a step: decode of a few seque
 class ModelRunner:
     """Owns the model and the KV store; knows nothing of queues or requests."""
 
-    def __init__(self, model: LlamaModel, store: KVStore | QuantizedKVStore, kv: KVCacheManager,
-                 device: torch.device, backend: str = "torch") -> None:
+    def __init__(self, model: LlamaModel, store: KVStore | QuantizedKVStore, kv: KVCacheManager | GroupedKVCacheManager,
+                 device: torch.device, backend: str = "torch", layer_group: list[int] | None = None) -> None:
+        """`layer_group` (with a GroupedKVCacheManager): each layer's group, whose tables it reads."""
         self.model, self.store, self.kv, self.device = model, store, kv, device
+        grouped = isinstance(kv, GroupedKVCacheManager)
+        if grouped != (layer_group is not None):
+            raise ValueError("per-layer-group tables need both a GroupedKVCacheManager and each layer's group")
+        self.layer_group = layer_group
         self.backend = backend  # see attention/backend.py
         self.decode_kernel = backend in ("cpu", "triton")
         # CPU threads for steps of at most SMALL_STEP_ROWS tokens (None: every step uses all of torch's threads);
@@ -29,6 +37,7 @@ class ModelRunner:
         self.small_step_threads: int | None = None
         self.all_threads = torch.get_num_threads()
         self.tables = DeviceBlockTables(device)  # the device copy of kv's block tables, updated by diffs
+        self.group_tables = [DeviceBlockTables(device) for _ in kv.groups] if grouped else []
         self.kivi = None
         self.captured: list[torch.Tensor] = []
         if store.kivi_group:
@@ -62,11 +71,31 @@ class ModelRunner:
         """Run one chunk of a sequence whose blocks are allocated; fp32 logits of `logit_rows` (chunk rows)."""
         return self._forward([chunk], logit_rows)
 
-    def _forward(self, specs: list[SeqChunk], logit_rows: range | None = None) -> torch.Tensor:
-        rows = self.tables.sync(self.kv, [c.seq_id for c in specs])
-        batch = build_batch(specs, self.store.block_size, self.model.windows, self.device, self.decode_kernel,
-                            read_cache=not self.store.exact, kivi=self.kivi, tables=self.tables.table, table_rows=rows)
+    def _batch(self, specs: list[SeqChunk], kv: KVCacheManager, tables: DeviceBlockTables,
+               windows: tuple[int | None, ...]) -> ForwardBatch:
+        rows = tables.sync(kv, [c.seq_id for c in specs])
+        batch = build_batch(specs, self.store.block_size, windows, self.device, self.decode_kernel,
+                            read_cache=not self.store.exact, kivi=self.kivi, tables=tables.table, table_rows=rows)
         batch.backend = self.backend
+        return batch
+
+    def _grouped_batch(self, specs: list[SeqChunk]) -> ForwardBatch:
+        """One batch per layer group, on that group's tables; the first group's carries the others per layer."""
+        batches = []
+        for m, w, tables in zip(self.kv.groups, self.kv.windows, self.group_tables):
+            own = [dataclasses.replace(c, block_table=m.block_tables[c.seq_id]) for c in specs]
+            batches.append(self._batch(own, m, tables, (w,)))
+        batch = batches[0]
+        for b in batches[1:]:  # every layer appends the queries eviction asked for to one list, in layer order
+            b.captured_q = batch.captured_q
+        batch.layer_batches = [batches[g] for g in self.layer_group]
+        return batch
+
+    def _forward(self, specs: list[SeqChunk], logit_rows: range | None = None) -> torch.Tensor:
+        if self.layer_group is not None:
+            batch = self._grouped_batch(specs)
+        else:
+            batch = self._batch(specs, self.kv, self.tables, self.model.windows)
         if self.small_step_threads is not None:  # every forward (steps, scoring chunks) sets its own thread count
             rows = batch.num_tokens
             torch.set_num_threads(self.small_step_threads if rows <= SMALL_STEP_ROWS else self.all_threads)

@@ -26,7 +26,8 @@ from kvcache.engine.sampler import SamplingRow, sample
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.models.llama import LlamaModel
 from kvcache.plan.capacity import device_budget
-from kvcache.plan.kv_bytes import CacheCapacity, cache_capacity, kv_bytes_per_token, paged_window
+from kvcache.plan.kv_bytes import (KV_DTYPES, CacheCapacity, TableGroup, cache_capacity, kv_bytes_per_token,
+                                   paged_window, table_groups)
 from kvcache.plan.shape import ModelShape
 from kvcache.store.kv_store import KVStore
 
@@ -162,9 +163,11 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
                           budget.derived)
     else:
         share = budget.bytes
-    capacity = cache_capacity(shape, kv_dtype, share, config.block_size, max_model_len,
-                              release=release_window(shape, config) is not None)
-    one_request = -(-max_model_len // config.block_size) + capacity.seq_blocks
+    groups = layer_groups_for(shape, config, kv_dtype)
+    release = release_window(shape, config) is not None or bool(groups)
+    capacity = cache_capacity(shape, kv_dtype, share, config.block_size, max_model_len, release=release,
+                              groups=groups if groups else None)
+    one_request = peak_blocks(max_model_len, [g.window for g in groups] or [None], config) + capacity.seq_blocks
     if budget.derived and capacity.num_blocks < one_request:
         raise ValueError(f"the KV cache this device leaves ({budget}) holds {capacity.num_blocks:,} blocks, fewer than "
                          f"the {one_request:,} of one request of max_model_len {max_model_len:,}: lower "
@@ -182,8 +185,47 @@ def release_window(shape: ModelShape, config: EngineConfig) -> int | None:
     return paged_window(shape)
 
 
-def why_every_block_is_kept(shape: ModelShape) -> str:
-    """The start-up's line for a sliding-window model whose blocks release_window keeps."""
+def peak_blocks(tokens: int, windows: list[int | None], config: EngineConfig) -> int:
+    """The most blocks a sequence of `tokens` tokens holds at once over tables of `windows` (one per table; None:
+    every block kept): all of them, or in a table whose out-of-window blocks are given back, with chunked prefill,
+    a window behind the largest chunk (window - 1 tokens before it, one block more for the alignment)."""
+    bs = config.block_size
+    every = -(-tokens // bs)
+    held = [every if w is None or not config.enable_chunked_prefill else
+            min(every, -(-(w - 1 + config.max_num_batched_tokens) // bs) + 1) for w in windows]
+    return sum(held)
+
+
+def single_table_reason(config: EngineConfig, kv_dtype: str) -> str | None:
+    """Why a model mixing full and sliding layers must keep one block table of every layer under `config` (a
+    feature that reads or moves a sequence's KV through one table), or None: per-layer-group tables."""
+    if config.disable_hybrid_kv_cache_manager:
+        return "--disable-hybrid-kv-cache-manager asks for one block table of every layer"
+    if config.enable_prefix_caching and config.prefix_caching_algo == "radix":
+        return "the radix prefix cache holds its blocks (use --prefix-caching-algo hash to free them)"
+    reasons = {"kv_cache_dtype " + kv_dtype + "'s fp16 key residual (KIVI)": KV_DTYPES[kv_dtype].scales == "kivi",
+               "the KV offload tiers": bool(config.kv_offload_memory or config.kv_offload_dir or config.kv_remote),
+               "--preemption-mode swap": config.preemption_mode == "swap",
+               "KV events": bool(config.kv_events_endpoint), "speculative decoding": config.speculative is not None}
+    on = [name for name, yes in reasons.items() if yes]
+    return f"{' and '.join(on)} need one block table of every layer" if on else None
+
+
+def layer_groups_for(shape: ModelShape, config: EngineConfig, kv_dtype: str) -> list[TableGroup]:
+    """The per-layer-group tables the engine keeps, or [] for one table of every layer: plan's table_groups for a
+    model mixing full and sliding layers; with PyramidKV as the engine's eviction policy (--kv-eviction
+    pyramidkv), one table per layer, so that the upper layers' smaller budgets give back their blocks."""
+    groups = table_groups(shape)
+    if not groups and config.eviction.enabled and config.eviction.policy == "pyramidkv" \
+            and set(shape.layer_kinds) == {"full"}:
+        groups = [TableGroup(None, (i,)) for i in range(shape.num_layers)]
+    return groups if groups and single_table_reason(config, kv_dtype) is None else []
+
+
+def why_every_block_is_kept(shape: ModelShape, config: EngineConfig, kv_dtype: str) -> str:
+    """The start-up's line for a sliding-window model that keeps one table of every layer, every block."""
+    if table_groups(shape):
+        return f"every block is kept: {single_table_reason(config, kv_dtype)}"
     if paged_window(shape) is None:
         return ("every block is kept: its layers do not all slide with one window, and one block table serves "
                 "every layer")

@@ -37,8 +37,10 @@ layer and KV head once its prompt is in the cache.
   requests. Reported: the peak number of requests decoding at once, peak used blocks, wall time, output
   tokens/s, tokens evicted and blocks freed, preemptions, and the ratios of requests and throughput over
   no eviction. snapkv and pyramidkv (and random) do not evict while decoding: their cache grows from the
-  budget by up to `--capacity-max-tokens`. All layers share one block table, so pyramidkv holds its
-  layer-0 budget (the largest of its per-layer budgets), not the average: that is its memory.
+  budget by up to `--capacity-max-tokens`. pyramidkv's engine runs with --kv-eviction pyramidkv, so it keeps one
+  block table per layer and each layer's table gives back the whole blocks its smaller budget leaves dead:
+  it holds about the average of its per-layer budgets (peak memory is reported in bytes, since its blocks hold
+  one layer each).
 """
 from __future__ import annotations
 
@@ -65,15 +67,19 @@ Setting = Literal["query_agnostic", "query_aware"]
 SETTINGS: tuple[Setting, ...] = ("query_agnostic", "query_aware")
 
 
-def held_tokens(spec: EvictionSpec, prompt_len: int, num_layers: int) -> int:
-    """KV tokens a request with a `prompt_len`-token prompt holds right after its compaction: the budget,
-    or for pyramidkv its layer-0 budget (all layers share one block table, so the largest counts)."""
+def held_tokens(spec: EvictionSpec, prompt_len: int, num_layers: int, block_size: int = 1) -> int:
+    """KV token slots per layer a request with a `prompt_len`-token prompt holds right after its compaction: the
+    budget; for pyramidkv (one block table per layer, --kv-eviction pyramidkv) the mean over layers of what each
+    layer's table keeps: layer 0's budget of slots, less the whole `block_size` blocks its own smaller budget
+    leaves dead at the front (those go back to the pool)."""
     from kvcache.compress.pyramidkv import layer_budgets
     if not spec.enabled:
         return prompt_len
     budget = spec.tokens(prompt_len)
     if spec.policy == "pyramidkv":
-        return layer_budgets(budget, prompt_len, num_layers)[0]
+        per_layer = layer_budgets(budget, prompt_len, num_layers)
+        top = per_layer[0]
+        return round(sum(top - (top - b) // block_size * block_size for b in per_layer) / num_layers)
     return min(budget, prompt_len)
 
 
@@ -244,7 +250,9 @@ def measure_throughput(engine, prompts: list[list[int]], max_tokens: int, spec: 
     engine.check_no_leaks()
     info = engine.kv_cache_info()
     out = engine.stats.generation_tokens
+    block_bytes = info["bytes_per_token"] * info["block_size"]
     return {"concurrent_requests": peak, "peak_used_blocks": info["peak_used_blocks"],
+            "peak_used_bytes": info["peak_used_blocks"] * block_bytes,
             "num_blocks": info["num_blocks"], "block_size": info["block_size"], "wall_s": wall,
             "output_tokens": out, "output_tokens_per_s": out / wall, "steps": engine.stats.steps,
             "evicted_tokens": info["evicted_tokens"], "freed_blocks": info["eviction_freed_blocks"],
@@ -422,13 +430,15 @@ def run(args: argparse.Namespace) -> int:
         prompts = None
         runs = []
         for p, b in tqdm(configs, desc="capacity", file=sys.stderr):
+            # pyramidkv as the engine's policy: its layout is then one block table per layer (per-layer memory)
+            own = {"kv_eviction": p, "kv_budget": b} if p == "pyramidkv" else {}
             e = build_engine(loaded, "float32", capacity_memory, need, max_num_seqs=256, enable_prefix_caching=False,
-                             seed=args.seed)
+                             seed=args.seed, **own)
             prompts = prompts or random_prompts(e, args.capacity_requests, args.capacity_prompt_len, args.seed)
             spec = EvictionSpec(p, b)
             m = measure_throughput(e, prompts, args.capacity_max_tokens, spec if spec.enabled else None)
             runs.append({"policy": p, "budget": b, "held_tokens": held_tokens(spec, args.capacity_prompt_len,
-                                                                              num_layers), **m})
+                                                                              num_layers, e.config.block_size), **m})
             del e
             gc.collect()
         ref = runs[0]
@@ -504,14 +514,15 @@ def print_tables(results: dict) -> None:
         print(f"\nmemory and throughput: {c['memory_bytes'] / 2**20:g} MiB float32 pool ({c['pool_tokens']:,} "
               f"tokens); {c['requests']} requests of {c['prompt_len']:,} random tokens + {c['max_tokens']} "
               f"generated, all submitted at once; ratios over no eviction")
-        head = (f"{'policy':<12}{'budget':>8}{'held tok/req':>13}{'decoding':>10}{'x req':>7}{'peak blk':>10}"
+        head = (f"{'policy':<12}{'budget':>8}{'held tok/req':>13}{'decoding':>10}{'x req':>7}{'peak MiB':>10}"
                 f"{'tok/s':>8}{'x tok/s':>8}{'wall s':>8}{'evicted':>9}{'freed blk':>10}{'preempt':>9}")
         print(head)
         print("-" * len(head))
         for r in c["runs"]:
             name = "none" if r["budget"] is None else r["policy"]
             print(f"{name:<12}{_fmt(r['budget'], 'g'):>8}{r['held_tokens']:>13,}{r['concurrent_requests']:>10}"
-                  f"{_fmt(r['requests_ratio'], '.2f'):>7}{r['peak_used_blocks']:>10,}{r['output_tokens_per_s']:>8.1f}"
+                  f"{_fmt(r['requests_ratio'], '.2f'):>7}{r['peak_used_bytes'] / 2**20:>10.2f}"
+                  f"{r['output_tokens_per_s']:>8.1f}"
                   f"{r['throughput_ratio']:>8.2f}{r['wall_s']:>8.1f}{r['evicted_tokens']:>9,}{r['freed_blocks']:>10,}"
                   f"{r['preemptions']:>9}")
 

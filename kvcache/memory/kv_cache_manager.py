@@ -61,12 +61,19 @@ class KVCacheManager:
     prefix-cache hits, frees it on finish."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: PrefixCaching | None = None,
-                 seq_blocks: int = 0, events: KVEventLog | None = None) -> None:
+                 seq_blocks: int = 0, events: KVEventLog | None = None, pool: BlockPool | None = None,
+                 tag: tuple = ()) -> None:
+        """`pool`: draw from this pool (shared with other managers: per-layer-group tables, memory/layer_groups.py)
+        instead of a new one of `num_blocks`. `tag` joins every sequence's extra keys, so that managers sharing a
+        pool never find each other's blocks in the prefix cache (their blocks hold other layers)."""
         if prefix_caching not in (None, "hash", "radix"):
             raise ValueError(f"prefix_caching must be None, 'hash' or 'radix', got {prefix_caching!r}")
+        if pool is not None and prefix_caching == "radix":
+            raise ValueError("a shared pool cannot serve the radix prefix cache (the tree owns its blocks)")
         self.block_size = block_size
         self.seq_blocks = seq_blocks
-        self.pool = BlockPool(num_blocks)
+        self.tag = tag
+        self.pool = pool if pool is not None else BlockPool(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
         self.private_blocks: dict[int, list[int]] = {}  # seq_id -> its `seq_blocks` scratch blocks
         self.prefix_caching = prefix_caching
@@ -83,6 +90,10 @@ class KVCacheManager:
         # Sequences whose table was rewritten other than by appending (a dedup swap, a compaction, a free) since the
         # last take_changed(): the device copy of their tables (device_tables.py) is written again in full.
         self._changed: set[int] = set()
+
+    def tables(self, seq_id: int) -> list[list[int]]:
+        """Every table of `seq_id` ([] if it holds none): its one table here (layer_groups.py has one per group)."""
+        return [self.block_tables[seq_id]] if seq_id in self.block_tables else []
 
     def take_changed(self) -> set[int]:
         """Sequences whose table changed in place, or was freed, since the last call (tables otherwise only grow)."""
@@ -124,13 +135,13 @@ class KVCacheManager:
             return new
         if self.radix:
             return new + self.radix.locked_blocks_on_path(self._seqs[seq_id].node)
-        return new + sum(1 for b in prefix if self.pool.ref_counts[b] == 0)
+        return new + sum(1 for b in prefix if b != BlockPool.NULL_BLOCK and self.pool.ref_counts[b] == 0)
 
     # ---- prefix lookup ---------------------------------------------------------------------------
 
     def _entry(self, seq_id: int, extra: tuple) -> _SeqCache:
         if seq_id not in self._seqs:
-            self._seqs[seq_id] = _SeqCache(extra, [])
+            self._seqs[seq_id] = _SeqCache(extra + self.tag, [])
         return self._seqs[seq_id]
 
     def block_hashes(self, seq_id: int, token_ids: list[int], extra: tuple = ()) -> list[int]:
@@ -157,14 +168,42 @@ class KVCacheManager:
         else:
             blocks, parent = [], None
             for i, h in enumerate(self.block_hashes(seq_id, token_ids, extra)[:max_blocks]):
-                b = self.pool.lookup(h)
-                key = self.pool.keys[b] if b is not None else None
-                if key is None or key.parent != parent or key.extra != extra or \
-                        key.tokens != tuple(token_ids[i * bs:(i + 1) * bs]):
+                b = self._cached(seq_id, token_ids, i, h)
+                if b is None or self.pool.keys[b].parent != parent:
                     break
                 blocks.append(b)
                 parent = (b, self.pool.generation[b])
         return blocks
+
+    def _cached(self, seq_id: int, token_ids: list[int], i: int, block_hash: int) -> int | None:
+        """The cached block with block i's chain hash, extra keys and tokens (its parent unchecked), or None."""
+        b = self.pool.lookup(block_hash)
+        key = self.pool.keys[b] if b is not None else None
+        bs = self.block_size
+        if key is None or key.extra != self._seqs[seq_id].extra or key.tokens != tuple(token_ids[i * bs:(i + 1) * bs]):
+            return None
+        return b
+
+    def window_prefix(self, seq_id: int, token_ids: list[int], extra: tuple, num_blocks: int, window: int) -> list[int] | None:
+        """A table for the first `num_blocks` blocks of `token_ids` that a sliding window of `window` tokens needs
+        cached: the null block where no query from position num_blocks x block_size on can see (vLLM's sliding
+        window lookup), the cached blocks from the first one the window reaches; None if one of those is not
+        cached. Each block after the first is checked against its predecessor (id and generation); the first one's
+        predecessor may be gone (given back and reused), so it is taken on its 128-bit chain hash, tokens and
+        extra keys. Hash prefix caching only; takes no reference."""
+        if self.prefix_caching != "hash" or seq_id in self.block_tables:
+            raise ValueError("window_prefix needs hash prefix caching and a sequence without a table")
+        bs = self.block_size
+        first = max(0, num_blocks * bs - window + 1) // bs
+        hashes = self.block_hashes(seq_id, token_ids, extra)
+        table, parent = [BlockPool.NULL_BLOCK] * first, None
+        for i in range(first, num_blocks):
+            b = self._cached(seq_id, token_ids, i, hashes[i])
+            if b is None or (parent is not None and self.pool.keys[b].parent != parent):
+                return None
+            table.append(b)
+            parent = (b, self.pool.generation[b])
+        return table
 
     # ---- tables --------------------------------------------------------------------------------
 
@@ -181,17 +220,21 @@ class KVCacheManager:
         table = self.block_tables.get(seq_id)
         if table is None:
             table = self.block_tables[seq_id] = list(prefix)
-            for b in prefix:  # a sequence starting from cached blocks: a hit on each (the KV page shows them)
+            held = [b for b in prefix if b != BlockPool.NULL_BLOCK]  # a window_prefix starts with null entries
+            for b in held:  # a sequence starting from cached blocks: a hit on each (the KV page shows them)
                 self.pool.hits[b] += 1
             if prefix:
                 entry = self._seqs[seq_id]
                 entry.num_cached = len(prefix)
+                if len(held) < len(prefix):
+                    self._released[seq_id] = len(prefix) - len(held)
+                    self._changed.add(seq_id)
                 if self.radix:
                     self.radix.lock(entry.node)
                     entry.locked = True
                     self.pool.share(table)
                 else:
-                    self.pool.touch(table)
+                    self.pool.touch(held)
             if self.seq_blocks:  # after taking the prefix: a fresh allocation may evict idle cached blocks
                 self.private_blocks[seq_id] = self._take_free(self.seq_blocks)
         need = blocks_for(num_tokens, self.block_size) - len(table)
@@ -276,7 +319,7 @@ class KVCacheManager:
             raise ValueError("release_leading is not supported with radix prefix caching (the tree keeps its blocks)")
         table = self.block_tables[seq_id]
         end = min(num_tokens // self.block_size, len(table))
-        if self.prefix_caching is not None:
+        if self.prefix_caching is not None and seq_id not in self._compacted:  # a compacted table holds no cached block
             entry = self._seqs.get(seq_id)
             end = min(end, entry.num_cached if entry is not None else 0)
         start = self._released.get(seq_id, 0)
@@ -350,7 +393,7 @@ class KVCacheManager:
                 self.radix.lock(p.node)
         return copies
 
-    def compact(self, seq_id: int, num_tokens: int) -> tuple[list[int], list[int]] | None:
+    def compact(self, seq_id: int, num_tokens: int, freed: list[int] | None = None) -> tuple[list[int], list[int]] | None:
         """Shrink the table of `seq_id` to `num_tokens` tokens for eviction's compaction.
 
         Returns (old table, new table): the caller moves the surviving tokens from slots of the old
@@ -360,13 +403,17 @@ class KVCacheManager:
         it stays in the prefix cache, findable and reclaimable). Blocks short: in the hash index, own
         cached blocks are taken out of it and written in place; None (and no change) if still short.
         Afterwards the sequence's blocks no longer match its tokens, so none of them is cached again.
+        With `freed`, the old blocks it lets go are appended there for the caller to free (after other tables that
+        share the pool have taken their fresh blocks: those must not be blocks whose survivors are still to move).
         """
         table = self.block_tables[seq_id]
         n = blocks_for(num_tokens, self.block_size)
         if n > len(table):
             raise ValueError(f"cannot compact sequence {seq_id} to {num_tokens} tokens: it holds {len(table)} blocks")
+        if self._released.get(seq_id):
+            raise ValueError(f"cannot compact sequence {seq_id}: its leading blocks were given back")
         pool = self.pool
-        own = [pool.ref_counts[b] == 1 and pool.keys[b] is None for b in table[:n]]
+        own = self._own(table[:n])
         short = own.count(False) - self.num_free_blocks
         if short > 0 and not self.radix:
             cached_own = [i for i in range(n) if not own[i] and pool.ref_counts[table[i]] == 1]
@@ -380,7 +427,11 @@ class KVCacheManager:
         fresh = iter(self._take_free(own.count(False)))
         new = [b if ok else next(fresh) for b, ok in zip(table, own)]
         kept = set(new)
-        pool.free([b for b in table[::-1] if b not in kept])
+        gone = [b for b in table[::-1] if b not in kept]
+        if freed is None:
+            pool.free(gone)
+        else:
+            freed.extend(gone)
         self.block_tables[seq_id] = new
         self._changed.add(seq_id)
         entry = self._seqs.pop(seq_id, None)
@@ -388,6 +439,14 @@ class KVCacheManager:
             self.radix.unlock(entry.node)
         self._compacted.add(seq_id)
         return table, new
+
+    def _own(self, blocks: list[int]) -> list[bool]:
+        """Per block: whether the sequence holds it alone, outside the prefix cache (compaction may write it)."""
+        return [self.pool.ref_counts[b] == 1 and self.pool.keys[b] is None for b in blocks]
+
+    def compact_needs(self, seq_id: int, num_tokens: int) -> int:
+        """Fresh blocks `compact(seq_id, num_tokens)` takes: one per block it may not write in place."""
+        return self._own(self.block_tables[seq_id][:blocks_for(num_tokens, self.block_size)]).count(False)
 
     def is_compacted(self, seq_id: int) -> bool:
         """Whether eviction compacted `seq_id`'s table (its blocks no longer match its tokens)."""

@@ -390,8 +390,8 @@ class LlamaModel(nn.Module):
         rope = {key: tuple(t.index_select(0, batch.positions).unsqueeze(1).to(self.rope_dtype or x.dtype) for t in tables)
                 for key, tables in self.rope.items()}
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, *rope[layer.rope_key], batch, store, self.workspace)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, *rope[layer.rope_key], batch.for_layer(i), store, self.workspace)
         # Only rows that sample need the norm and the (large) LM head.
         h = (x + residual).index_select(0, batch.logits_indices)
         logits = self.lm_head(self.final_norm(h))

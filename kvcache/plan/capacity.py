@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvcache.plan.kv_bytes import DEFAULT_BLOCK_SIZE, CacheCapacity, cache_capacity, kv_bytes_per_token
+from kvcache.plan.kv_bytes import (DEFAULT_BLOCK_SIZE, CacheCapacity, cache_capacity, kv_bytes_per_token,
+                                   longest_tokens)
 from kvcache.plan.shape import ModelShape
 
 DEFAULT_MAX_NUM_SEQS = 128  # the engine's defaults, which activation estimates assume
@@ -140,6 +141,6 @@ def plan_device(shape: ModelShape, kv_dtype: str, *, memory_per_gpu: int | None 
             shape, wdtype, tp, max_num_batched_tokens, max_num_seqs)
         budget = device_budget(memory_per_gpu, gpu_memory_utilization, weight_bytes, act).budget
     cap = cache_capacity(stage, kv_dtype, budget, block_size, seq_len, tp)
-    longest = max(0, cap.num_blocks // batch - cap.seq_blocks) * block_size
+    longest = longest_tokens(stage, cap.num_blocks // batch - cap.seq_blocks, block_size)
     return DevicePlan(memory_per_gpu, num_gpus, tp, pp, gpu_memory_utilization, wdtype, weight_bytes, act, budget,
                       cap, cap.total_bytes * num_gpus, batch, max_num_seqs, stage, longest)

@@ -169,6 +169,56 @@ def paged_window(shape: ModelShape) -> int | None:
     return shape.layer_window("sliding") if kinds == {"sliding"} else None
 
 
+@dataclass(frozen=True, slots=True)
+class TableGroup:
+    """Layers that share one block table per sequence in kvcache's pool (vLLM's KV cache groups): every group has
+    the same number of layers, so one block of the pool holds `len(layers)` layers' K/V for `block_size` tokens,
+    whichever group it is lent to. `window`: the group's sliding window (None: full attention, every block kept)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def table_groups(shape: ModelShape) -> list[TableGroup]:
+    """The per-layer-group block tables of a model that mixes full-attention and sliding-window layers (Gemma-2,
+    Gemma-3): each kind's layers, in order (full attention first), cut into groups of G layers, G the greatest
+    common divisor of the kinds' layer counts (no group padded: a block is exactly G layers). [] where one table
+    serves every layer (one kind of attention: full, MLA, or every layer sliding with one window, see
+    `paged_window`)."""
+    if set(shape.layer_kinds) != {"full", "sliding"}:
+        return []
+    kinds = ["full", "sliding"]  # full groups first: the engine's first table has a block for every position
+    size = math.gcd(*(shape.count(k) for k in kinds))
+    groups = []
+    for kind in kinds:
+        layers = [i for i, k in enumerate(shape.layer_kinds) if k == kind]
+        groups += [TableGroup(shape.layer_window(kind), tuple(layers[i:i + size])) for i in range(0, len(layers), size)]
+    return groups
+
+
+def group_blocks(window: int | None, num_tokens: int, block_size: int) -> int:
+    """Blocks one group's table holds at most for a sequence of `num_tokens` tokens: all of them, or with a window
+    the window's and one more (the block before the window's first token is partly inside it)."""
+    every = -(-num_tokens // block_size)
+    return every if window is None else min(every, -(-window // block_size) + 1)
+
+
+def longest_tokens(shape: ModelShape, blocks: int, block_size: int) -> int:
+    """The longest sequence (tokens, whole blocks) whose tables fit in `blocks` blocks: every table holds one
+    block per `block_size` tokens (one table), or with table_groups each group its own (sliding groups capped)."""
+    groups = table_groups(shape)
+    if not groups:
+        return max(0, blocks) * block_size
+    lo, hi = 0, max(0, blocks)  # in blocks of the full groups' tables
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(group_blocks(g.window, mid * block_size, block_size) for g in groups) <= blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * block_size
+
+
 def layer_groups(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> list[LayerGroup]:
     """The attention layers grouped by kind, in first-appearance order."""
     groups = []
@@ -201,8 +251,11 @@ def kv_cache_bytes(shape: ModelShape, dtype: str, batch: int, seq_len: int, tens
     attn *= batch
     residual = batch * residual_bytes_per_seq(shape, dtype, tp)
     state = batch * state_bytes_per_seq(shape, state_dtype, tp)
-    held = min(seq_len, paged_window(shape) or seq_len)
-    paged = batch * held * kv_bytes_per_token(shape, dtype, tp) + residual + state
+    if table_groups(shape):  # a table per layer group: each holds its own window's tokens
+        paged = attn + residual + state
+    else:
+        held = min(seq_len, paged_window(shape) or seq_len)
+        paged = batch * held * kv_bytes_per_token(shape, dtype, tp) + residual + state
     return CacheBytes(batch, seq_len, attn, residual, state, attn + residual + state, paged)
 
 
@@ -246,6 +299,8 @@ class CacheCapacity:
     max_model_len: int
     max_concurrency: float  # requests of max_model_len tokens that fit at once
     seq_blocks: int = 0  # blocks each request also needs for its per-sequence buffers (residual keys, state)
+    blocks_per_request: int = 0  # blocks one request of max_model_len tokens holds at most, seq_blocks included
+    layers_per_block: int = 0  # with per-layer-group tables (table_groups): the layers one block holds; 0: all
 
 
 def sequence_blocks(shape: ModelShape, dtype: str, block_size: int, tensor_parallel_size: int = 1,
@@ -268,24 +323,35 @@ def check_kv_format(shape: ModelShape, dtype: str, block_size: int, tensor_paral
 
 
 def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size: int, max_model_len: int,
-                   tensor_parallel_size: int = 1, state_dtype: str = "bfloat16", release: bool = True) -> CacheCapacity:
+                   tensor_parallel_size: int = 1, state_dtype: str = "bfloat16", release: bool = True,
+                   groups: list[TableGroup] | None = None) -> CacheCapacity:
     """Blocks, tokens and concurrency a budget of `budget_bytes` buys. Raises if not even one block fits.
 
     A request of L tokens takes ceil(L / block_size) blocks plus `sequence_blocks` for its
     per-sequence buffers, drawn from the same pool; where every layer slides with one window (paged_window), a
-    decoding request holds that window's blocks and one more at most, however long it grows (unless not
-    `release`: the engine's radix prefix cache keeps every block).
+    decoding request holds that window's blocks and one more at most, however long it grows. A model mixing full
+    and sliding layers (table_groups) has one table per layer group: a block holds one group's layers, and a
+    request holds ceil(L / block_size) blocks in each full group's table and the window's in each sliding one's.
+    Not `release` (the engine keeps every block: the radix prefix cache, or a feature that needs one table): one
+    table of every layer, every block kept. `groups` gives the engine's layer groups where they are not the
+    model's own (PyramidKV's one table per layer: every block kept until eviction frees some).
     """
     tp = tensor_parallel_size
     per_token = check_kv_format(shape, dtype, block_size, tp)
+    if groups is None:
+        groups = table_groups(shape) if release else []
+    if groups:  # a block holds one group's layers; a token costs that in each group's table
+        per_token = sum(layer_bytes_per_token(shape, dtype, shape.layer_kinds[i], tp) for i in groups[0].layers)
     block_bytes = per_token * block_size
     num_blocks = budget_bytes // block_bytes if block_bytes else 0
     if num_blocks < 1:
         raise ValueError(f"KV cache budget of {budget_bytes:,} bytes is smaller than one block "
                          f"({block_size} tokens x {per_token:,} bytes = {block_bytes:,} bytes)")
     extra = sequence_blocks(shape, dtype, block_size, tp, state_dtype)
-    window = paged_window(shape) if release else None
-    held = min(max_model_len, window) if window else max_model_len
-    blocks_per_request = min(-(-max_model_len // block_size), -(-held // block_size) + (1 if window else 0)) + extra
+    if groups:
+        blocks_per_request = sum(group_blocks(g.window, max_model_len, block_size) for g in groups) + extra
+    else:
+        blocks_per_request = group_blocks(paged_window(shape) if release else None, max_model_len, block_size) + extra
     return CacheCapacity(per_token, block_size, num_blocks, num_blocks * block_size, num_blocks * block_bytes,
-                         max_model_len, num_blocks / blocks_per_request, extra)
+                         max_model_len, num_blocks / blocks_per_request, extra, blocks_per_request,
+                         len(groups[0].layers) if groups else 0)

@@ -57,6 +57,7 @@ def build_report(shape: ModelShape, dtype: str, batch: int, seq_len: int, device
             "block_bytes": c.block_size * c.bytes_per_token, "gpu_bytes_per_token": c.bytes_per_token,
             "num_blocks": c.num_blocks, "max_tokens": c.num_tokens, "max_concurrency": c.max_concurrency,
             "max_seq_len_for_batch": device.max_seq_len_for_batch, "seq_blocks": c.seq_blocks,
+            "layers_per_block": c.layers_per_block, "blocks_per_request": c.blocks_per_request,
             "max_num_seqs": device.max_num_seqs, "gpu_formula": kv_formula(device.stage, dtype, tp),
         })
     return report
@@ -116,6 +117,9 @@ def _capacity_lines(r: dict) -> list[tuple[str, str]]:
                       f"blocks on all GPUs ({human(r['kv_cache_bytes'])})"),
         ("blocks", f"{r['num_blocks']:,} blocks x {r['block_size']} tokens = {r['max_tokens']:,} tokens "
                    f"({r['block_bytes']:,} bytes per block per GPU)"
+                   + (f"; a block holds {r['layers_per_block']} layers: one table per layer group, a request of "
+                      f"{r['seq_len']:,} tokens takes {r['blocks_per_request']:,} blocks across them"
+                      if r.get("layers_per_block") else "")
                    + (f"; each request also takes {r['seq_blocks']} block(s) for its per-sequence buffers"
                       if r["seq_blocks"] else "")),
         ("concurrency", f"{r['max_concurrency']:.2f} requests of {r['seq_len']:,} tokens at once"

@@ -123,7 +123,7 @@ def _requests(engine, show_text: bool) -> list[dict]:
         for s in running:
             ev = s.eviction
             item["seqs"].append({
-                "index": s.index, "blocks": list(kv.block_tables.get(s.seq_id, [])),
+                "index": s.index, "blocks": [b for t in kv.tables(s.seq_id) for b in t],  # every layer group's
                 "slots": s.num_computed_tokens - s.num_evicted, "tokens": s.num_tokens,
                 "private": list(kv.private_blocks.get(s.seq_id, [])),
                 "eviction": {"policy": ev.policy.name, "evicted": ev.num_evicted} if ev else None})

@@ -40,6 +40,11 @@ class KVStore:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.block_tensors())
 
+    def alias(self, slots: list[int]) -> None:
+        """Make layer i use the tensors built for layer slots[i] (per-layer-group tables: a block holds one group's
+        layers, so layers of different groups at the same slot share memory, each group's blocks its own)."""
+        alias_lists(self, ("k", "v"), slots)
+
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan=None) -> None:
         """Store k, v ([tokens, kv_heads, head_dim]) at the slots `slot_mapping` ([tokens], int64)."""
         pairs = ((self.k[layer], k),) if self.latent else ((self.k[layer], k), (self.v[layer], v))
@@ -70,8 +75,9 @@ class KVStore:
         move_slots([self.k[layer]] if self.latent else [self.k[layer], self.v[layer]], src, dst, self.block_size)
 
     def block_tensors(self) -> list[torch.Tensor]:
-        """Every tensor whose dim 0 is the block: a block's content is its row in each (offload copies them)."""
-        return list(self.k) if self.latent else self.k + self.v
+        """Every tensor whose dim 0 is the block, each once: a block's content is its row in each (offload copies
+        them)."""
+        return _unique(list(self.k) if self.latent else self.k + self.v)
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Clear `blocks` in every layer (a failed request's, which may hold NaN)."""
@@ -95,3 +101,19 @@ def move_slots(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
     heads = torch.arange(src.shape[0], device=src.device)[:, None]
     for t in tensors:
         t[dst // block_size, dst % block_size, heads] = t[src // block_size, src % block_size, heads]
+
+
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` without repeats (aliased layers, a latent's K and V), in order."""
+    return list({id(t): t for t in tensors}.values())
+
+
+def alias_lists(store, names: tuple[str, ...], slots: list[int]) -> None:
+    """Rebind each per-layer list attribute of `store` in `names` to one entry per layer of `slots`."""
+    built = len(getattr(store, names[0]))
+    if not slots or min(slots) < 0 or max(slots) >= built:
+        raise ValueError(f"layer slots {slots} must index the {built} layers the store was built with")
+    for name in names:
+        per_layer = getattr(store, name)
+        if per_layer:  # an empty list (no KIVI residual views) stays empty
+            setattr(store, name, [per_layer[s] for s in slots])

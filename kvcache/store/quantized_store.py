@@ -25,7 +25,7 @@ import torch
 
 from kvcache.plan.kv_bytes import kv_dtype
 from kvcache.store.codecs import BITS, FP8, quantize_per_channel, quantize_per_token, unpack
-from kvcache.store.kv_store import KVStore, move_slots
+from kvcache.store.kv_store import KVStore, _unique, alias_lists, move_slots
 
 
 @dataclass(slots=True)
@@ -121,7 +121,11 @@ class QuantizedKVStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(r.numel() for r in self.raw)
+        return sum(r.numel() for r in self.block_tensors())
+
+    def alias(self, slots: list[int]) -> None:
+        """Layer i uses the rows built for layer slots[i] (see KVStore.alias)."""
+        alias_lists(self, ("raw", "parts", "flat16"), slots)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               plan: KiviPlan | None = None) -> torch.Tensor | None:
@@ -200,14 +204,15 @@ class QuantizedKVStore:
         move_slots(list(self.parts[layer].values()), src, dst, self.block_size)
 
     def block_tensors(self) -> list[torch.Tensor]:
-        """Every tensor whose dim 0 is the block: a block's codes and scales are its row of each layer's bytes."""
-        return self.raw
+        """Every tensor whose dim 0 is the block, each once: a block's codes and scales are its row of each layer's
+        bytes."""
+        return _unique(self.raw)
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Clear `blocks` in every layer, codes, scales and residuals (a failed request's, which may hold NaN)."""
         if blocks:
             idx = torch.tensor(blocks, device=self.raw[0].device)
-            for raw in self.raw:
+            for raw in self.block_tensors():
                 raw.index_fill_(0, idx, 0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -216,22 +221,28 @@ class QuantizedKVStore:
             return
         src = torch.tensor([a for a, _ in pairs], device=self.raw[0].device)
         dst = torch.tensor([b for _, b in pairs], device=self.raw[0].device)
-        for raw in self.raw:
+        for raw in self.block_tensors():
             raw.index_copy_(0, dst, raw.index_select(0, src))
 
 
 def make_store(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
                compute_dtype: torch.dtype, device: str | torch.device,
-               expected_bytes_per_token: int | None = None, latent: bool = False):
+               expected_bytes_per_token: int | None = None, latent: bool = False, layer_slots: list[int] | None = None):
     """The store for `kv_cache_dtype` (a name from plan.kv_bytes.KV_DTYPES); `latent`: one tensor per token and layer
     (MLA), read as both K and V. With `expected_bytes_per_token` (the planner's figure), RuntimeError unless the
-    store's blocks take exactly that."""
+    store's blocks take exactly that. With `layer_slots` (per-layer-group tables) the store is built for
+    `num_layers` layers, the layers of one group, and layer i of the model uses slot layer_slots[i] (`alias`)."""
     spec = kv_dtype(kv_cache_dtype)
     if spec.scales != "none":
-        return QuantizedKVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, spec.name, device,
-                                compute_dtype, expected_bytes_per_token, latent)
+        store = QuantizedKVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, spec.name, device,
+                                 compute_dtype, expected_bytes_per_token, latent)
+        if layer_slots is not None:
+            store.alias(layer_slots)
+        return store
     store = KVStore(num_layers, num_blocks, block_size, num_kv_heads, head_dim, getattr(torch, spec.name), device,
                     compute_dtype, latent)
+    if layer_slots is not None:
+        store.alias(layer_slots)
     if expected_bytes_per_token is not None and store.nbytes != expected_bytes_per_token * block_size * num_blocks:
         raise RuntimeError(f"the {spec.name} store takes {store.nbytes // (num_blocks * block_size):,} bytes per token; "
                            f"the planner counts {expected_bytes_per_token:,}")

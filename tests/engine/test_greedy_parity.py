@@ -11,7 +11,6 @@ import pytest
 
 from tiny_models import hf_greedy, hf_model
 from kvcache import LLM, SamplingParams
-from kvcache.memory.kv_cache_manager import blocks_for
 
 # mistral-swa: window of 24; gemmas: local + global; deepseeks: MLA latents (absorbed for decode and cached
 # prefixes), MoE
@@ -118,13 +117,14 @@ def test_chunked_prefill_mixed_with_decodes(case):
 
 
 def _small_pool_llm(path: str, prompts: list[list[int]], max_tokens: list[int], **kwargs) -> LLM:
-    """An engine whose pool holds about 1.5 of the workload's largest requests (8-token blocks); where the engine
-    gives back out-of-window blocks (mistral-swa), one more block than the largest request."""
-    probe = LLM(path, kv_cache_memory="1MiB", block_size=SMALL_BLOCK)
-    per_token = probe.kv_cache_info()["bytes_per_token"]
-    largest = max(blocks_for(len(p) + n, SMALL_BLOCK) for p, n in zip(prompts, max_tokens))
+    """An engine whose pool holds about 1.5 of the workload's largest requests (8-token blocks, counted as the
+    engine counts them: every layer group's table); where the engine gives back out-of-window blocks (mistral-swa,
+    and the sliding groups of gemma2/gemma3), one more block than the largest request."""
+    probe = LLM(path, kv_cache_memory="1MiB", block_size=SMALL_BLOCK, **kwargs)
+    per_token = probe.kv_cache_info()["bytes_per_token"]  # of the layers one block holds
+    largest = max(probe.engine.peak_blocks(len(p) + n) for p, n in zip(prompts, max_tokens))
     num_blocks = largest * 3 // 2
-    if probe.engine.release_window:
+    if probe.engine.release_window or probe.engine.layer_groups:
         num_blocks = largest + 1
     llm = LLM(path, kv_cache_memory=num_blocks * SMALL_BLOCK * per_token, block_size=SMALL_BLOCK, **kwargs)
     assert llm.kv_cache_info()["num_blocks"] == num_blocks
@@ -138,7 +138,7 @@ def test_preemption(case):
     assert _diff(got, expected) == []
     # Where out-of-window blocks are given back, a pool that admits the largest request whole (its unchunked
     # recompute needs it) leaves room for everyone's window: the chunked variant below preempts those
-    assert llm.kv_cache_info()["num_preemptions"] > 0 or llm.engine.release_window
+    assert llm.kv_cache_info()["num_preemptions"] > 0 or llm.engine.release_window or llm.engine.layer_groups
 
 
 def test_preemption_with_chunked_prefill(case):

@@ -71,8 +71,8 @@ def test_a_long_request_fits_a_pool_smaller_than_itself(tiny_model_dirs):
 
 
 @pytest.mark.parametrize("arch, kw, why", [
-    ("qwen2-swa", {}, "do not all slide"),  # layer 0 is full attention: one table serves both
-    ("gemma3", {}, "do not all slide"),
+    # layer 0 is full attention: per-layer-group tables (test_layer_groups.py), but the radix tree holds every block
+    ("qwen2-swa", {"enable_prefix_caching": True, "prefix_caching_algo": "radix"}, "radix"),
     ("mistral-swa", {"enable_prefix_caching": True, "prefix_caching_algo": "radix"}, "radix"),
 ])
 def test_every_block_is_kept_where_one_table_cannot_give_any_back(tiny_model_dirs, arch, kw, why, caplog):

@@ -50,12 +50,16 @@ def test_quality_is_exact_without_eviction_and_drops_with_a_small_budget(tiny_lo
         evaluate_quality(engine, docs, 112, specs[:1])
 
 
-def test_held_tokens_is_the_budget_and_pyramidkv_holds_its_first_layer():
+def test_held_tokens_is_the_budget_and_pyramidkv_holds_its_layers_whole_blocks():
     assert held_tokens(EvictionSpec("none"), 1024, 30) == 1024
     assert held_tokens(EvictionSpec("snapkv", 0.125), 1024, 30) == 128
     assert held_tokens(EvictionSpec("h2o", 100), 1024, 30) == 100
-    pyramid = held_tokens(EvictionSpec("pyramidkv", 0.125), 1024, 30)
-    assert pyramid == layer_budgets(128, 1024, 30)[0] > 128  # the largest of its per-layer budgets
+    budgets = layer_budgets(128, 1024, 30)
+    # token by token: the mean of its per-layer budgets (128, the budget asked for)
+    assert held_tokens(EvictionSpec("pyramidkv", 0.125), 1024, 30) == round(sum(budgets) / 30) == 128
+    # in 16-token blocks a layer gives back only whole dead blocks: between the mean and layer 0's budget
+    pyramid = held_tokens(EvictionSpec("pyramidkv", 0.125), 1024, 30, 16)
+    assert 128 < pyramid < budgets[0]
     assert held_tokens(EvictionSpec("snapkv", 0.125), 256, 30) == 33  # floored at snapkv's minimum
 
 
@@ -240,7 +244,8 @@ def test_command_end_to_end_on_a_tiny_model(tiny_llama, tmp_path, capsys):
         assert x["evicted_tokens"] > 0 and x["output_tokens"] == 3 * 4
         assert x["concurrent_requests"] >= none["concurrent_requests"]
     assert c["runs"][2]["held_tokens"] == 40 and c["runs"][4]["held_tokens"] == 80
-    assert c["runs"][3]["held_tokens"] == layer_budgets(40, 160, 2)[0]
+    top, low = layer_budgets(40, 160, 2)
+    assert c["runs"][3]["held_tokens"] == round((top + top - (top - low) // 16 * 16) / 2)
     assert r["settings"]["scored_positions"] == 8
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
