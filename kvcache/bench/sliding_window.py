@@ -12,8 +12,10 @@ Each shape runs twice in one process, with the blocks given back and as one tabl
 on the same prompts and the same KV budget in bytes (the two layouts' blocks differ in size, so memory is in bytes):
 1. Memory per request against context length: one request at a time, the most KV bytes it holds at once after any
    step, against the planner's figure (`cache_capacity`: what `kvcache plan` and the start-up count).
-2. Concurrency at a fixed pool: requests of 8x the window, all submitted at once, into a pool that holds 4 of them
-   whole: how many decode at once (mean over steps, and the most), the steps and the time to finish them all,
+2. Concurrency at a fixed pool: requests of 8x the window (by default 7x the window of prompt, one generated),
+   all submitted at once, into a pool that holds 4 of them
+   whole: how many decode at once (the most, the mean over the steps where requests wait for memory, and over
+   all steps), the steps and the time to finish them all,
    the preemptions, and whether both runs gave the same greedy tokens (the exit status says so too).
 """
 from __future__ import annotations
@@ -32,6 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--lengths", default="64,128,256,512,1024", help="context lengths (tokens) of part 1")
     p.add_argument("--requests", type=int, default=32, help="requests of 8x the window in part 2")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="prompt tokens of each part-2 request (default 7x the window: long prompts, one window "
+                        "generated); the rest of the 8x the window is generated")
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--json", default="results/sliding_window.json")
 
@@ -86,16 +91,19 @@ def _concurrency(llm, n: int, length: int, prompt_len: int) -> dict:
     for i in range(n):
         eng.add_request(str(i), _prompt(prompt_len, i), SamplingParams(temperature=0, max_tokens=length - prompt_len,
                                                                        ignore_eos=True))
-    decoding, done = [], {}
+    decoding, waiting, done = [], [], {}
     t = time.perf_counter()
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
         decoding.append(sum(s.num_computed_tokens >= s.num_prompt_tokens for s in eng.scheduler.running))
+        waiting.append(len(eng.scheduler.waiting) > 0)
     elapsed = time.perf_counter() - t
     eng.check_no_leaks()
-    return {"most_decoding": max(decoding), "mean_decoding": sum(decoding) / len(decoding), "steps": len(decoding),
+    held_back = [d for d, w in zip(decoding, waiting) if w] or decoding
+    return {"most_decoding": max(decoding), "mean_decoding": sum(decoding) / len(decoding),
+            "mean_decoding_while_waiting": sum(held_back) / len(held_back), "steps": len(decoding),
             "elapsed_s": elapsed, "preemptions": eng.kv_cache_info()["num_preemptions"],
             "tokens": [done[str(i)] for i in range(n)]}
 
@@ -120,19 +128,24 @@ def _shape(shape: str, args, root: str) -> dict:
             row[key] = _peak_per_request(_engine(path, args, 4096 * per_block, release, max_len), length, prompt_len)
         rows.append(row)
     pool = 4 * blocks_for(long, args.block_size) * per_block
-    runs = {key: _concurrency(_engine(path, args, pool, release, max_len), args.requests, long, 64)
+    prompt_len2 = 7 * args.window if args.prompt_len is None else args.prompt_len
+    runs = {key: _concurrency(_engine(path, args, pool, release, max_len), args.requests, long, prompt_len2)
             for release, key in ((True, "given_back"), (False, "one_table"))}
     same = runs["given_back"]["tokens"] == runs["one_table"]["tokens"]
     for r in runs.values():
         del r["tokens"]
     return {"shape": shape, "window": args.window, "block_size": args.block_size, "per_request": rows,
-            "concurrency": {"pool_bytes": pool, "request_tokens": long, "requests": args.requests, **runs,
+            "concurrency": {"pool_bytes": pool, "request_tokens": long, "prompt_tokens": prompt_len2,
+                            "requests": args.requests, **runs,
                             "same_tokens": same}}
 
 
 def run(args: argparse.Namespace) -> int:
     if args.window < 1 or args.block_size < 1 or args.requests < 1:
         raise ValueError("--window, --block-size and --requests must be positive")
+    if args.prompt_len is not None and not 1 <= args.prompt_len < 8 * args.window:
+        raise ValueError(f"--prompt-len must be from 1 to {8 * args.window - 1} (requests are 8x the window, "
+                         f"{8 * args.window} tokens), got {args.prompt_len}")
     results = {}
     with tempfile.TemporaryDirectory() as root:
         for shape in ("mistral", "gemma3"):
@@ -147,10 +160,12 @@ def run(args: argparse.Namespace) -> int:
                       f"{row['one_table_bytes'] / row['given_back_bytes']:>6.2f}x")
             c = r["concurrency"]
             g, o = c["given_back"], c["one_table"]
-            print(f"{c['requests']} requests of {c['request_tokens']} tokens, pool of {c['pool_bytes'] / 1024:,.0f} KiB: "
-                  f"{g['mean_decoding']:.1f} decoding at once on average against {o['mean_decoding']:.1f} "
-                  f"({g['mean_decoding'] / o['mean_decoding']:.2f}x; at most {g['most_decoding']} and "
-                  f"{o['most_decoding']}), {g['steps']} steps against {o['steps']}, {g['elapsed_s']:.1f} s against "
+            print(f"{c['requests']} requests of {c['request_tokens']} tokens ({c['prompt_tokens']} prompt), pool of {c['pool_bytes'] / 1024:,.0f} KiB: "
+                  f"at most {g['most_decoding']} decoding at once against {o['most_decoding']} "
+                  f"({g['most_decoding'] / o['most_decoding']:.2f}x), {g['mean_decoding_while_waiting']:.1f} against "
+                  f"{o['mean_decoding_while_waiting']:.1f} on average while requests wait for memory "
+                  f"({g['mean_decoding_while_waiting'] / o['mean_decoding_while_waiting']:.2f}x; "
+                  f"{g['mean_decoding']:.1f} and {o['mean_decoding']:.1f} over all steps), {g['steps']} steps against {o['steps']}, {g['elapsed_s']:.1f} s against "
                   f"{o['elapsed_s']:.1f} s ({o['elapsed_s'] / g['elapsed_s']:.2f}x), preemptions {g['preemptions']} "
                   f"against {o['preemptions']}; greedy tokens {'identical' if c['same_tokens'] else 'DIFFER'}")
     write_json(args.json, results)

@@ -155,6 +155,37 @@ void int8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Ten
 }
 
 // ---- 4-bit weights x int8 activations (quant_linear.Int4Dense) ----
+// One int4_linear call's checked shapes, its activations quantized by `quantize` (per row: qa [K] int8, da [K/32]
+// scales, sa [K/32] = da * sum(qa)) and its raw pointers; shared by the VNNI and the AVX2 kernels.
+struct Int4Call {
+  using Quantize = void (*)(const float*, int64_t, int8_t*, float*, float*);
+  int64_t M, K, N, NB, G;
+  std::vector<int8_t> qa;
+  std::vector<float> da, sa;
+  const uint8_t* wp;
+  const uint16_t *dp, *mp;
+  float* op;
+  Int4Call(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m, Quantize quantize)
+      : M(x.size(0)), K(x.size(1)), N(out.size(1)), NB(qw.size(0)), G(K / 32) {
+    TORCH_CHECK(K % 64 == 0 && x.is_contiguous() && out.is_contiguous() && out.size(0) == M && qw.is_contiguous() &&
+                qw.size(1) == K / 8 && qw.size(2) == 64 && NB * 16 >= N && NB * 16 < N + 16 && d.is_contiguous() &&
+                m.is_contiguous() && d.size(0) == NB && d.size(1) == G && d.size(2) == 16 && m.sizes() == d.sizes(),
+                "int4_linear: bad shapes or strides");
+    const float* xp = x.data_ptr<float>();
+    qa.resize(M * K);
+    da.resize(M * G);
+    sa.resize(M * G);
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        quantize(xp + r * K, K, qa.data() + r * K, da.data() + r * G, sa.data() + r * G);
+    });
+    wp = qw.data_ptr<uint8_t>();
+    dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+    mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+    op = out.data_ptr<float>();
+  }
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 bool has_int4() { return true; }
 // Weights: per row, K/64 units of 32 bytes; byte j of a unit holds element j (low nibble) and element j + 32 (high
@@ -227,22 +258,13 @@ static inline void int4_tile(const uint8_t* wb, const uint16_t* db, const uint16
 // [ceil(N/16), K/32, 16] (float16); K % 64 == 0. Blocks of 16 output rows are split across torch's threads; each
 // thread runs its blocks against 8 activation rows at a time, the block's weights staying in L1 between them.
 void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NB = qw.size(0), G = K / 32;
-  TORCH_CHECK(K % 64 == 0 && x.is_contiguous() && out.is_contiguous() && out.size(0) == M && qw.is_contiguous() &&
-              qw.size(1) == K / 8 && qw.size(2) == 64 && NB * 16 >= N && NB * 16 < N + 16 && d.is_contiguous() &&
-              m.is_contiguous() && d.size(0) == NB && d.size(1) == G && d.size(2) == 16 && m.sizes() == d.sizes(),
-              "int4_linear: bad shapes or strides");
-  const float* xp = x.data_ptr<float>();
-  std::vector<int8_t> qa(M * K);
-  std::vector<float> da(M * G), sa(M * G);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      quantize_activation(xp + r * K, K, qa.data() + r * K, da.data() + r * G, sa.data() + r * G);
-  });
-  const uint8_t* wp = qw.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
-  float* op = out.data_ptr<float>();
+  const Int4Call c(out, x, qw, d, m, quantize_activation);
+  const int64_t M = c.M, K = c.K, N = c.N, NB = c.NB, G = c.G;
+  const std::vector<int8_t>& qa = c.qa;
+  const std::vector<float>&da = c.da, &sa = c.sa;
+  const uint8_t* wp = c.wp;
+  const uint16_t *dp = c.dp, *mp = c.mp;
+  float* op = c.op;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* wb = wp + b * (K / 8) * 64;
@@ -361,22 +383,13 @@ static inline void int4_tile(const uint8_t* wb, const uint16_t* db, const uint16
 // VNNI int4_linear. Blocks of 16 output rows are split across torch's threads; each runs a block's two halves (a
 // half past N skipped) against 4 activation rows at a time, the block's weights staying in L1 between them.
 void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NB = qw.size(0), G = K / 32;
-  TORCH_CHECK(K % 64 == 0 && x.is_contiguous() && out.is_contiguous() && out.size(0) == M && qw.is_contiguous() &&
-              qw.size(1) == K / 8 && qw.size(2) == 64 && NB * 16 >= N && NB * 16 < N + 16 && d.is_contiguous() &&
-              m.is_contiguous() && d.size(0) == NB && d.size(1) == G && d.size(2) == 16 && m.sizes() == d.sizes(),
-              "int4_linear: bad shapes or strides");
-  const float* xp = x.data_ptr<float>();
-  std::vector<int8_t> qa(M * K);
-  std::vector<float> da(M * G), sa(M * G);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      quantize_activation(xp + r * K, K, qa.data() + r * K, da.data() + r * G, sa.data() + r * G);
-  });
-  const uint8_t* wp = qw.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
-  float* op = out.data_ptr<float>();
+  const Int4Call c(out, x, qw, d, m, quantize_activation);
+  const int64_t M = c.M, K = c.K, N = c.N, NB = c.NB, G = c.G;
+  const std::vector<int8_t>& qa = c.qa;
+  const std::vector<float>&da = c.da, &sa = c.sa;
+  const uint8_t* wp = c.wp;
+  const uint16_t *dp = c.dp, *mp = c.mp;
+  float* op = c.op;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* wb = wp + b * (K / 8) * 64;

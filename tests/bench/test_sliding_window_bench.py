@@ -1,6 +1,8 @@
 import argparse
 import json
 
+import pytest
+
 from kvcache.bench import sliding_window
 
 
@@ -8,7 +10,7 @@ def test_the_benchmark_measures_the_blocks_given_back_against_one_table(tmp_path
     p = argparse.ArgumentParser()
     sliding_window.add_args(p)
     out = tmp_path / "sw.json"
-    args = p.parse_args(["--window", "16", "--block-size", "8", "--lengths", "16,64,256", "--requests", "6",
+    args = p.parse_args(["--window", "16", "--block-size", "8", "--lengths", "16,64,256", "--requests", "16",
                          "--max-num-batched-tokens", "64", "--json", str(out)])
     assert sliding_window.run(args) == 0  # both runs gave the same greedy tokens
     r = json.loads(out.read_text())
@@ -26,4 +28,19 @@ def test_the_benchmark_measures_the_blocks_given_back_against_one_table(tmp_path
     assert long["given_back_bytes"] * 6 == long["all_bytes"] // 32 * (32 + 5 * 3)
     for shape in (mistral, gemma):
         c = shape["concurrency"]
-        assert c["given_back"]["mean_decoding"] > c["one_table"]["mean_decoding"] and c["given_back"]["preemptions"] == 0
+        assert c["request_tokens"] == 128 and c["prompt_tokens"] == 112  # 8x and 7x the window
+        g, o = c["given_back"], c["one_table"]
+        assert o["most_decoding"] <= 4  # the pool holds 4 requests whole
+        assert g["most_decoding"] > o["most_decoding"]
+        assert g["mean_decoding_while_waiting"] > o["mean_decoding_while_waiting"] >= o["mean_decoding"] / 2
+        assert g["preemptions"] <= o["preemptions"]
+
+
+@pytest.mark.parametrize("prompt_len", ["0", "128"])
+def test_a_prompt_as_long_as_the_request_is_refused(tmp_path, prompt_len):
+    p = argparse.ArgumentParser()
+    sliding_window.add_args(p)
+    args = p.parse_args(["--window", "16", "--prompt-len", prompt_len, "--json", str(tmp_path / "sw.json")])
+    with pytest.raises(ValueError, match="--prompt-len must be from 1 to 127"):
+        sliding_window.run(args)
+    assert not (tmp_path / "sw.json").exists()
