@@ -69,6 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="models mixing full and sliding-window layers (Gemma-2/3): one block table of every layer, "
                         "every block kept, instead of a table per layer group whose sliding groups give blocks back")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eager instead of replaying the decode steps' CUDA graphs captured at "
+                        "start-up (batch sizes 1, 2, 4, 8, then every 8 up to --max-num-seqs)")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="recompute: a preempted request's KV is freed and prefilled again when it resumes; swap: it "
                         "goes to the cpu tier (--kv-offload-memory), else the disk tier, and comes back (recompute "

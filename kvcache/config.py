@@ -112,6 +112,9 @@ class EngineConfig:
     # Models mixing full and sliding-window layers keep one block table per layer group (vLLM's hybrid KV cache
     # manager, memory/layer_groups.py); True keeps one table of every layer, every block (vLLM's flag of this name)
     disable_hybrid_kv_cache_manager: bool = False
+    # CUDA: decode steps replay CUDA graphs captured at start-up (engine/cuda_graphs.py); True runs every step eager
+    # (vLLM's flag)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":

@@ -9,7 +9,9 @@ It runs, in about six minutes on an H200:
 2. `kvcache bench attention`: 64 sequences x 4,096 tokens with Llama-3-8B's heads, bfloat16 and fp8, the Triton
    kernel against the portable torch path, as a fraction of the measured memory bandwidth;
 3. `kvcache bench throughput` on a random-weight model of Llama-3.2-1B's shape in bfloat16 (256 requests, prompts
-   128-1,024 tokens, outputs 64-512, EOS ignored, seed 0) against transformers' best static batch on the same GPU.
+   128-1,024 tokens, outputs 64-512, EOS ignored, seed 0) against transformers' best static batch on the same GPU;
+4. single-stream decode on that model (4 requests one at a time, 128 tokens in, 256 out) with the decode steps'
+   CUDA graphs and with --enforce-eager, as a ratio.
 
 It writes gpu_check.json and summary.txt in --out (default results/gpu_check). `--small` runs the same steps on tiny
 sizes, on whatever device is there, to check the plumbing.
@@ -87,6 +89,11 @@ def summarize(out: str, steps: list[dict]) -> dict:
         if "hf" in tp:
             lines.append(f"  transformers best static batch (bs={tp['hf']['batch_size']}): "
                          f"{tp['hf']['output_tokens_per_s']:.0f} out tok/s; speedup {tp['speedup']:.2f}x (target 5x)")
+    g_path, e_path = os.path.join(out, "graphs.json"), os.path.join(out, "eager.json")
+    if os.path.isfile(g_path) and os.path.isfile(e_path):
+        g, e = (json.load(open(x))["kvcache"]["output_tokens_per_s"] for x in (g_path, e_path))
+        result["decode_graphs"] = {"graphs_tokens_per_s": g, "eager_tokens_per_s": e, "speedup": g / e}
+        lines.append(f"single-stream decode: CUDA graphs {g:.0f} out tok/s, --enforce-eager {e:.0f}: {g / e:.2f}x")
     result["summary"] = lines
     with open(os.path.join(out, "gpu_check.json"), "w") as f:
         json.dump(result, f, indent=2)
@@ -100,7 +107,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_check"))
     p.add_argument("--small", action="store_true", help="tiny sizes, any device: checks the plumbing only")
-    p.add_argument("--skip", default="", help="comma-separated steps to leave out: tests, attention, throughput")
+    p.add_argument("--skip", default="", help="comma-separated steps to leave out: tests, attention, throughput, graphs")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
@@ -127,6 +134,17 @@ def main() -> int:
                                              "--seed", "0", "--baseline", "hf", "--dtype", "bfloat16", "--max-model-len",
                                              "2048", "--json", os.path.join(args.out, "throughput.json")],
                               args.out, 300))
+    if "graphs" not in skip:  # single-stream decode, CUDA graphs against --enforce-eager, on the same model
+        model = os.path.join(args.out, "model")
+        if not os.path.isdir(model):
+            make_model(model, SMALL if args.small else LLAMA_32_1B)
+        work = ["--num-prompts", "2" if args.small else "4", "--input-len", "128", "--output-len",
+                "16" if args.small else "256", "--max-num-seqs", "1", "--seed", "0", "--dtype", "bfloat16",
+                "--max-model-len", "2048"]
+        for name, extra in (("graphs", []), ("eager", ["--enforce-eager"])):
+            steps.append(run_step(f"decode_{name}", [py, "-m", "kvcache.cli", "bench", "throughput", "--model", model,
+                                                     *work, *extra, "--json", os.path.join(args.out, f"{name}.json")],
+                                  args.out, 150))
     summarize(args.out, steps)
     return 0 if all(s["returncode"] == 0 for s in steps) else 1
 

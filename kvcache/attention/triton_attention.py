@@ -2,8 +2,9 @@
 
 - `paged_decode`: one query token per sequence, K/V read straight from the store through the block table, online
   softmax in float32, GQA-aware (a program serves all the query heads of one KV head, so each K/V load is shared),
-  split-K over long contexts with a reduction kernel, sliding windows and per-layer dead blocks (the caller passes
-  that layer's table and lengths). Reads float32/bf16/fp16 blocks, and fp8/int8 blocks with their per-token fp16
+  split-K over long contexts with a reduction kernel (each sequence's own live blocks shared among the splits, so
+  that the launch depends on the batch size and the table's width only: CUDA graphs replay it), sliding windows and
+  per-layer dead blocks (the caller passes that layer's table and lengths). Reads float32/bf16/fp16 blocks, and fp8/int8 blocks with their per-token fp16
   scales, dequantising in registers through the store's 256-entry byte -> value table.
 - `paged_prefill`: a chunk of a sequence's prompt attending, causally, to everything cached before it plus
   itself (its K/V are written first), tiles of queries sharing each K/V load (tl.dot), for chunked prefill and
@@ -27,7 +28,7 @@ import triton.language as tl
 # tl.dot operands (seen with triton 3.9): there the prefill kernel takes its products in float32, as for float32 models.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 NEG = -1.0e30  # the running max starts here, not at -inf, so that a tile with every score masked stays finite
-MIN_BLOCKS_PER_SPLIT = 16  # a split-K part reads at least this many blocks
+MIN_BLOCKS_PER_SPLIT = 16  # a split-K part reads at least this many blocks of its sequence
 
 
 @triton.jit
@@ -57,17 +58,23 @@ def _softcap(scores, cap):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, lut_ptr, table_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr,
-                   table_stride, row_bytes, kd_off, vd_off, ks_off, vs_off, scale, window, blocks_per_split, softcap,
+                   table_stride, row_bytes, kd_off, vd_off, ks_off, vs_off, scale, window, min_per_split, softcap,
                    H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
-    first = s * blocks_per_split
+    nb = (ctx + BS - 1) // BS
+    lo = nb * 0  # the first block a query can see
     if window > 0:
-        first = tl.maximum(first, tl.maximum(ctx - window, 0) // BS)
-    last = tl.minimum(s * blocks_per_split + blocks_per_split, (ctx + BS - 1) // BS)
+        lo = tl.maximum(ctx - window, 0) // BS
+    # The sequence's own live blocks, split among the split-K programs (at least min_per_split each): the launch
+    # depends on the batch and the table's width only, never on this step's lengths (a CUDA graph replays it)
+    nsplit = tl.num_programs(2)
+    per = tl.maximum((nb - lo + nsplit - 1) // nsplit, min_per_split)
+    first = lo + s * per
+    last = tl.minimum(first + per, nb)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gmask = g < G
@@ -245,9 +252,9 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_ta
     k, v, raw16, lut, row_bytes, kd, vd, ks, vs, quant = _store_args(store, layer)
     q = q.contiguous()
     table = block_tables.contiguous()
+    per_split = 1  # asked for a number of splits (the tests): each takes its share of a sequence, however small
     if num_splits is None:
-        num_splits = _num_splits(B * KVH, table.shape[1], q.device)
-    per_split = -(-table.shape[1] // num_splits)
+        num_splits, per_split = _num_splits(B * KVH, table.shape[1], q.device), MIN_BLOCKS_PER_SPLIT
     args = dict(H=H, KVH=KVH, G=G, D=D, BS=bs, BLOCK_G=_pow2(G), BLOCK_D=_pow2(D), QUANT=quant)
     if num_splits == 1:
         _decode_kernel[(B, KVH, 1)](q, k, v, raw16, lut, table, context_lens, out, out, out, table.stride(0),

@@ -21,6 +21,7 @@ import torch
 from kvcache.attention.backend import resolve_backend
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
+from kvcache.engine.cuda_graphs import DecodeGraphPlan
 from kvcache.engine.draft import DraftProposer, read_draft
 from kvcache.engine.eviction import Evictor, seq_chunk
 from kvcache.engine.kv_events import ZmqEventPublisher
@@ -127,9 +128,14 @@ class LLMEngine:
         self.drafter = None if draft is None else DraftProposer(
             draft, self.max_model_len, self.device, self.dtype, self.kv_dtype,
             spec.quantization or config.quantization, self.backend, config.max_num_batched_tokens)
+        group_of = {i: g for g, group in enumerate(self.layer_groups) for i in group.layers}
+        self._layer_group = [group_of[i] for i in range(self.shape.num_layers)] if self.layer_groups else None
+        self.graphs = DecodeGraphPlan(config, self.device, self.backend, self.model, self.max_model_len,
+                                      max(1, len(self.layer_groups)), self._layer_group)
         self.budget, self.capacity = kv_capacity(config, self.device, self.model, self.shape, self.kv_dtype,
                                                  self.max_model_len, self.backend,
-                                                 self.drafter.bytes_per_token if self.drafter else 0)
+                                                 self.drafter.bytes_per_token if self.drafter else 0,
+                                                 self.graphs.estimator(lambda: self._make_store(2)))
         # One more physical block than the budget buys: block 0, the null block that pads tables.
         caching = config.prefix_caching_algo if config.enable_prefix_caching else None
         if self.layer_groups:
@@ -138,13 +144,7 @@ class LLMEngine:
         else:
             self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size, caching,
                                      seq_blocks=self.capacity.seq_blocks, events=self.kv_events)
-        group_of = {i: g for g, group in enumerate(self.layer_groups) for i in group.layers}
-        slot_of = {i: group.layers.index(i) for group in self.layer_groups for i in group.layers}
-        kv_heads, head_dim, latent = self.model.kv_layout
-        self.store = make_store(self.capacity.layers_per_block or self.shape.num_layers, self.capacity.num_blocks + 1,
-                                config.block_size, kv_heads, head_dim, self.kv_dtype, self.dtype, self.device,
-                                self.capacity.bytes_per_token, latent,
-                                [slot_of[i] for i in range(self.shape.num_layers)] if self.layer_groups else None)
+        self.store = self._make_store(self.capacity.num_blocks + 1, self.capacity.bytes_per_token)
         self.offload = make_offloader(tiers, self.store, loaded.source, self.kv_events, compute=str(self.dtype), kv=self.kv_dtype,
                                       block_size=config.block_size, quantization=config.quantization)
         self.scheduler = Scheduler(config, self.kv, self.offload)
@@ -159,21 +159,17 @@ class LLMEngine:
             log.info("sliding window: %s", f"blocks older than {self.release_window:,} tokens are given back as "
                      "sequences advance" if self.release_window else
                      why_every_block_is_kept(self.shape, config, self.kv_dtype))
-        if self.backend == "triton" and hasattr(self.store, "raw"):
-            from kvcache.attention.triton_attention import write_quantized
-            self.store.fused_write = write_quantized
         self.spec = config.speculative
         if self.spec is not None and self.release_window:
             raise ValueError("speculative_config cannot be combined with a sliding window whose blocks are given back "
                              "(a rejected token would move the window past blocks still needed); use "
                              "--prefix-caching-algo radix to keep every block")
-        self.runner = ModelRunner(self.model, self.store, self.kv, self.device, self.backend,
-                                  [group_of[i] for i in range(self.shape.num_layers)] if self.layer_groups else None)
+        self.runner = ModelRunner(self.model, self.store, self.kv, self.device, self.backend, self._layer_group)
+        self.runner.graphs = self.graphs.capture(self.store, self.capacity.num_blocks + 1)
         if self.drafter is not None:
             self.drafter.make_cache(self.capacity.num_blocks + 1, config.block_size)
         self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.shape.num_kv_heads,
-                               self.model.layers[0].scale, self.device,
-                               [group_of[i] for i in range(self.shape.num_layers)] if self.layer_groups else None)
+                               self.model.layers[0].scale, self.device, self._layer_group)
         self.eos_token_ids = self._eos_ids(hf)
         self._sampler_eos = next(iter(self.eos_token_ids), None)  # the EOS min_tokens forbids
         self.requests: dict[str, Request] = {}
@@ -192,6 +188,22 @@ class LLMEngine:
                  c.total_bytes / 2**30, kv_formula(self.shape, self.kv_dtype),
                  f"; plus {c.seq_blocks} blocks per request for its fp16 key residual" if c.seq_blocks else "",
                  f"{c.max_model_len:,}", c.max_concurrency)
+
+    def _make_store(self, num_blocks: int, bytes_per_token: int | None = None):
+        """The KV store of this engine's layout with `num_blocks` blocks (the null block included); with
+        `bytes_per_token`, checked against the planner's figure."""
+        kv_heads, head_dim, latent = self.model.kv_layout
+        slots = None
+        if self.layer_groups:
+            slot_of = {i: group.layers.index(i) for group in self.layer_groups for i in group.layers}
+            slots = [slot_of[i] for i in range(self.shape.num_layers)]
+        layers = len(self.layer_groups[0].layers) if self.layer_groups else self.shape.num_layers
+        store = make_store(layers, num_blocks, self.config.block_size, kv_heads, head_dim, self.kv_dtype, self.dtype,
+                           self.device, bytes_per_token, latent, slots)
+        if self.backend == "triton" and hasattr(store, "raw"):
+            from kvcache.attention.triton_attention import write_quantized
+            store.fused_write = write_quantized
+        return store
 
     def peak_blocks(self, tokens: int) -> int:
         """The most blocks a sequence of `tokens` tokens holds at once: all of them, or where out-of-window blocks
@@ -793,7 +805,8 @@ class LLMEngine:
         free = kv.num_free_blocks
         return {
             "device": str(self.device), "compute_dtype": str(self.dtype).removeprefix("torch."),
-            "attention_backend": self.backend, "quantization": self.config.quantization,
+            "attention_backend": self.backend, "cuda_graphs": self.graphs.info(),
+            "quantization": self.config.quantization,
             "weight_bytes": self.model.weight_bytes, "kv_cache_budget": str(self.budget),
             "block_size": c.block_size, "num_blocks": c.num_blocks, "num_tokens": c.num_tokens,
             "bytes_per_token": c.bytes_per_token, "total_bytes": c.total_bytes, "dtype": self.kv_dtype,

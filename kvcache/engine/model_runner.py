@@ -40,6 +40,7 @@ class ModelRunner:
         self.group_tables = [DeviceBlockTables(device) for _ in kv.groups] if grouped else []
         self.kivi = None
         self.captured: list[torch.Tensor] = []
+        self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs once captured: pure-decode steps replay them
         if store.kivi_group:
             self.kivi = KiviLayout(store.kivi_group, store.num_kv_heads * store.head_dim, store.row_elems)
 
@@ -91,7 +92,18 @@ class ModelRunner:
         batch.layer_batches = [batches[g] for g in self.layer_group]
         return batch
 
+    def graph_tables(self) -> list[tuple]:
+        """Per block-table group, (its manager, its device tables): what a captured decode step reads."""
+        if self.layer_group is None:
+            return [(self.kv, self.tables)]
+        return list(zip(self.kv.groups, self.group_tables))
+
     def _forward(self, specs: list[SeqChunk], logit_rows: range | None = None) -> torch.Tensor:
+        if self.graphs is not None and logit_rows is None:
+            logits = self.graphs.run(specs, self.graph_tables())
+            if logits is not None:
+                self.captured = []
+                return logits
         if self.layer_group is not None:
             batch = self._grouped_batch(specs)
         else:

@@ -5,7 +5,8 @@ has left once the weights are loaded, stated term by term.
   available (CPU).
 - CUDA, not given (vLLM's sizing): gpu_memory_utilization x total memory - what the model keeps resident (weights,
   RoPE tables) - the peak of a profile step at the limits (plus, on the torch attention path, the K/V it gathers
-  and the scores it keeps: portable_attention_bytes) - memory held outside torch (plan/capacity.py's
+  and the scores it keeps: portable_attention_bytes; plus the decode CUDA graphs' buffers and pool, measured by a
+  capture over a stand-in store: cuda_graphs.estimate_bytes) - memory held outside torch (plan/capacity.py's
   device_budget, which `kvcache plan` uses too).
 - CPU, not given: CPU_DEFAULT_KV_BYTES, at most half of the RAM available after the weights.
 """
@@ -89,11 +90,11 @@ class KVBudget:
         return f"{self.bytes / GiB:,.2f} GiB{self.how}"
 
 
-def kv_budget(config: EngineConfig, device: torch.device, model: LlamaModel, portable_attention: Callable[[int], int]
-              ) -> KVBudget:
+def kv_budget(config: EngineConfig, device: torch.device, model: LlamaModel, portable_attention: Callable[[int], int],
+              graphs: Callable[[], int] | None = None) -> KVBudget:
     """The KV budget for `model`, already loaded on `device` (see the module docstring). `portable_attention(budget)`
     is what the torch attention path needs beside the profile step with a pool of `budget` bytes (0 on other
-    backends)."""
+    backends); `graphs()`, what the decode steps' CUDA graphs will take (cuda_graphs.estimate_bytes)."""
     given = config.kv_cache_memory
     weights = model.weight_bytes
     cuda = device.type == "cuda"
@@ -107,6 +108,8 @@ def kv_budget(config: EngineConfig, device: torch.device, model: LlamaModel, por
     if cuda:
         resident = torch.cuda.memory_allocated(device)  # the weights and every buffer the model keeps (RoPE tables)
         activations = profile_forward(model, config, device)
+        graph_bytes = graphs() if graphs else 0
+        activations += graph_bytes
         free, total = torch.cuda.mem_get_info(device)
         non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
         b = device_budget(total, config.gpu_memory_utilization, resident, activations, non_torch)
@@ -116,7 +119,9 @@ def kv_budget(config: EngineConfig, device: torch.device, model: LlamaModel, por
         return KVBudget(b.budget, f" = {b.terms()} (activations profiled at {config.max_num_batched_tokens:,} tokens "
                                   f"and {config.max_num_seqs} sampled rows"
                                   + (f", plus {extra / GiB:,.2f} GiB the torch attention path gathers into"
-                                     if extra else "") + ")", True)
+                                     if extra else "")
+                                  + (f", plus {graph_bytes / GiB:,.2f} GiB for the decode steps' CUDA graphs"
+                                     if graph_bytes else "") + ")", True)
     available = psutil.virtual_memory().available
     budget = min(CPU_DEFAULT_KV_BYTES, available // 2)
     return KVBudget(budget, f": the CPU default of {CPU_DEFAULT_KV_BYTES / GiB:g} GiB, at most half of the "
@@ -137,8 +142,8 @@ def portable_attention_bytes(config: EngineConfig, shape: ModelShape, max_model_
 
 
 def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, shape: ModelShape, kv_dtype: str,
-                max_model_len: int, backend: str = "torch", draft_bytes_per_token: int = 0
-                ) -> tuple[KVBudget, CacheCapacity]:
+                max_model_len: int, backend: str = "torch", draft_bytes_per_token: int = 0,
+                graphs: Callable[[], int] | None = None) -> tuple[KVBudget, CacheCapacity]:
     """The budget and what it buys in `kv_dtype` with attention `backend`; ValueError if a budget computed from the
     device cannot hold one request of max_model_len tokens (a given one is the user's choice: such requests are
     refused one by one). With a draft model (`draft_bytes_per_token` > 0) the budget holds both caches with as
@@ -149,7 +154,7 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
     def portable(budget: int) -> int:
         return 0 if backend != "torch" else portable_attention_bytes(config, shape, max_model_len, compute_bytes,
                                                                      budget // per_token)
-    budget = kv_budget(config, device, model, portable)
+    budget = kv_budget(config, device, model, portable, graphs)
     if draft_bytes_per_token:
         both = config.block_size * (per_token + draft_bytes_per_token)
         if budget.bytes < both:

@@ -297,6 +297,8 @@ class DeepseekModel(LlamaModel):
 
     layer_class = MLALayer
     ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
+    CUDA_GRAPHS = False  # engine/cuda_graphs.py: decode steps run eager
+    CUDA_GRAPHS_WHY = "its MoE counts each expert's tokens on the host to route them"
 
     def __init__(self, cfg: PretrainedConfig, max_positions: int, quantization: str = "none") -> None:
         check_config(cfg)

@@ -301,6 +301,9 @@ class LlamaModel(nn.Module):
 
     layer_class = DecoderLayer
     ARCHITECTURES = SUPPORTED_ARCHITECTURES
+    # Whether a decode forward can be captured in a CUDA graph (engine/cuda_graphs.py: no data-dependent host work)
+    CUDA_GRAPHS = True
+    CUDA_GRAPHS_WHY = ""
 
     def __init__(self, cfg: PretrainedConfig, max_positions: int, quantization: str = "none") -> None:
         super().__init__()

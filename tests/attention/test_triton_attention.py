@@ -174,3 +174,44 @@ def test_the_engine_on_the_triton_backend_matches_the_torch_backend(tiny_model_d
     got = [o.outputs[0].token_ids for o in tri.generate(prompts, params, use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
     tri.engine.check_no_leaks()
+
+
+def test_decode_reads_only_each_sequences_own_blocks_of_a_wide_table():
+    """A CUDA graph's table is as wide as a max_model_len sequence, its unused entries left from earlier steps: each
+    sequence's blocks split among the split-K programs by its own length give the tight table's result."""
+    lens = [3, 70, 33]
+    store, tables, kvs = filled_store("bfloat16", torch.bfloat16, lens, 4, 2, 16, 11)
+    q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
+    tight = torch.empty_like(q)
+    ta.paged_decode(tight, q, store, 0, padded(tables), torch.tensor(lens, device=DEVICE), 0.25, None, num_splits=1)
+    junk = [t + [b % 5 + 1 for b in range(64 - len(t))] for t in tables]  # stale ids past each table's end
+    for splits in (1, 4, 7):
+        wide = torch.empty_like(q)
+        ta.paged_decode(wide, q, store, 0, torch.tensor(junk, device=DEVICE), torch.tensor(lens, device=DEVICE), 0.25,
+                        None, num_splits=splits)
+        torch.testing.assert_close(wide.float(), tight.float(), atol=2e-2, rtol=1e-2)
+        for b, (n, (k, v)) in enumerate(zip(lens, kvs)):
+            ref = reference(q[b:b + 1].cpu(), k, v, n - 1, 0.25, None)[0]
+            torch.testing.assert_close(wide[b].float().cpu(), ref.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_decode_graphs_over_the_triton_kernels_give_the_eager_tokens(tiny_model_dirs, kv):
+    """The engine's decode steps through the CUDA graphs' static buffers (emulated here: Replay.EMULATE; captured for
+    real by the GPU check) over the Triton kernels: tables max_model_len wide, steps padded to the ladder's sizes,
+    the quantizing write into the null block for padding rows; the eager engine's greedy tokens."""
+    from kvcache import LLM, SamplingParams
+    from kvcache.engine.cuda_graphs import Replay
+    path = tiny_model_dirs["qwen3"]
+    kw = dict(kv_cache_dtype=kv, kv_cache_memory="2MiB", max_model_len=128, max_num_batched_tokens=24,
+              max_num_seqs=3, device=DEVICE, attention_backend="triton")
+    llm, eager = LLM(path, **kw), LLM(path, **kw)
+    e = llm.engine
+    e.runner.graphs = e.graphs.capture(e.store, e.capacity.num_blocks + 1, Replay.EMULATE)
+    ids = torch.randint(3, 320, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    prompts = [ids[:n] for n in (5, 40, 23)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 6, 3)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert e.runner.graphs.replays >= 5  # the steps after the prompts are in
+    e.check_no_leaks()
