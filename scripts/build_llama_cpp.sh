@@ -19,7 +19,20 @@ if [ ! -d "$root/src" ]; then
   rm -rf "$tmp"
 fi
 command -v cmake >/dev/null || { echo "cmake is needed (apt-get install cmake, or pip install cmake)" >&2; exit 2; }
-cmake -S "$root/src" -B "$root/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+# -march=native, except on CPUs with AMX: ggml then compiles its AMX kernels, and where the hypervisor does not grant
+# the process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM) they die with SIGILL at the first matrix product (seen
+# on a Sapphire Rapids VM). There the ISA options are named one by one from /proc/cpuinfo, AMX left out.
+isa=(-DGGML_NATIVE=ON)
+flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+has() { [[ " $flags " == *" $1 "* ]]; }
+if has amx_tile; then
+  isa=(-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+  for pair in avx:GGML_AVX avx2:GGML_AVX2 fma:GGML_FMA f16c:GGML_F16C bmi2:GGML_BMI2 avx_vnni:GGML_AVX_VNNI \
+              avx512f:GGML_AVX512 avx512vbmi:GGML_AVX512_VBMI avx512_vnni:GGML_AVX512_VNNI avx512_bf16:GGML_AVX512_BF16; do
+    has "${pair%%:*}" && isa+=("-D${pair#*:}=ON")
+  done
+fi
+cmake -S "$root/src" -B "$root/build" -DCMAKE_BUILD_TYPE=Release "${isa[@]}" -DLLAMA_CURL=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >&2
 cmake --build "$root/build" --target llama-server -j "$(nproc)" >&2
 echo "$server"
