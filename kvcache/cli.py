@@ -69,6 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="models mixing full and sliding-window layers (Gemma-2/3): one block table of every layer, "
                         "every block kept, instead of a table per layer group whose sliding groups give blocks back")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks (processes the engine starts: gloo on CPU, a core "
+                        "each; NCCL on GPUs), KV heads split across them (see README, Tensor parallelism)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eager instead of replaying the decode steps' CUDA graphs captured at "
                         "start-up (batch sizes 1, 2, 4, 8, then every 8 up to --max-num-seqs)")
@@ -490,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
              "input-grounded and random prompts, by batch size", "kvcache.bench.spec_decode")
     _command(bsub, "mla", "MLA's latent KV bytes per token against MHA, and decode step time of absorbed against "
              "expanded attention", "kvcache.bench.mla")
+    _command(bsub, "tensor-parallel", "the same workload on 1 rank and on --tensor-parallel-size ranks: tok/s, KV "
+             "bytes per rank against the planner's, same tokens", "kvcache.bench.tensor_parallel")
     _command(bsub, "kv-page", "the live KV page's cost: the snapshot on a 100k-block pool, and serving throughput "
              "with viewers against none", "kvcache.bench.kv_page")
 

@@ -115,6 +115,9 @@ class EngineConfig:
     # CUDA: decode steps replay CUDA graphs captured at start-up (engine/cuda_graphs.py); True runs every step eager
     # (vLLM's flag)
     enforce_eager: bool = False
+    # Ranks a model is split over (Megatron-style, torch.distributed: gloo on CPU, NCCL on GPUs); the engine starts
+    # the other ranks' processes itself (distributed/tensor_parallel.py)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -185,6 +188,18 @@ class EngineConfig:
             if group:
                 raise ValueError(f"speculative_config cannot be combined with kv_cache_dtype {self.kv_cache_dtype} "
                                  "(KIVI): a rejected token's key would stay in the fp16 residual (use int8 or fp8)")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1:
+            refused = {"kv_eviction " + self.kv_eviction: self.kv_eviction != "none",
+                       "the KV offload tiers": bool(self.kv_offload_memory or self.kv_offload_dir or self.kv_remote),
+                       "preemption_mode swap": self.preemption_mode == "swap",
+                       "a draft model": self.speculative is not None and self.speculative.method == "draft_model"}
+            on = [k for k, v in refused.items() if v]
+            if on:
+                raise ValueError(f"tensor_parallel_size {tp} cannot be combined with {' and '.join(on)} yet: they read "
+                                 "or move KV through rank 0's store alone (eviction scores would need every rank's heads)")
         if self.attention_backend not in ("auto", "triton", "torch", "cpu"):
             raise ValueError(f"attention_backend must be one of auto, triton, torch, cpu; got {self.attention_backend!r}")
 

@@ -304,6 +304,8 @@ class DecodeGraphPlan:
         self.sizes = capture_sizes(config.max_num_seqs, config.max_num_batched_tokens)
         self.width = -(-max_model_len // config.block_size)
         self.off = why_not(device, backend, model, config.enforce_eager)  # None: captured
+        if self.off is None and config.tensor_parallel_size > 1:
+            self.off = "tensor parallelism (every step is broadcast to the other ranks first)"
         self.estimate = 0
         self.report: CaptureReport | None = None
 

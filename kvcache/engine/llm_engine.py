@@ -21,6 +21,8 @@ import torch
 from kvcache.attention.backend import resolve_backend
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
+from kvcache.distributed.tensor_parallel import (MirroredStore, RankDiedError, TensorParallel, build_shard,
+                                                 check_tensor_parallel, serve_as_launched_worker)
 from kvcache.engine.cuda_graphs import DecodeGraphPlan
 from kvcache.engine.draft import DraftProposer, read_draft
 from kvcache.engine.eviction import Evictor, seq_chunk
@@ -102,7 +104,12 @@ class LLMEngine:
         self.kv_dtype = config.kv_cache_dtype
         if self.kv_dtype == "auto":
             self.kv_dtype = str(self.dtype).removeprefix("torch.")
-        check_kv_format(self.shape, self.kv_dtype, config.block_size)  # before anything is loaded
+        tp_size = config.tensor_parallel_size
+        check_tensor_parallel(hf, tp_size, self.device)  # before anything is loaded
+        if tp_size > 1 and self.device.type == "cuda" and config.kv_cache_memory is None:
+            raise ValueError(f"tensor_parallel_size {tp_size} on CUDA needs --kv-cache-memory (bytes per GPU): the "
+                             "profiled sizing runs one rank's forward alone")
+        check_kv_format(self.shape, self.kv_dtype, config.block_size, tp_size)  # before anything is loaded
         self._mla = "mla" in self.shape.layer_kinds
         if self._mla:
             check_latent_format(self.kv_dtype)  # before anything is loaded
@@ -124,7 +131,20 @@ class LLMEngine:
         self.kv_events = KVEventLog(config.block_size) if config.kv_events_endpoint else None
         self.event_publisher = ZmqEventPublisher(self.kv_events, config.kv_events_endpoint, config.kv_events_topic) \
             if self.kv_events else None  # before the model loads too: an endpoint in use is refused first
-        self.model = build_model(loaded, self.max_model_len, self.device, self.dtype, config.quantization)
+        self.tp = None
+        if tp_size > 1:  # the workers load their slices while this rank loads its own
+            serve_as_launched_worker(loaded.source, tp_size, self.max_model_len, self.device, self.dtype,
+                                     config.quantization)  # torchrun's ranks > 0 work here, then exit
+            self.tp = TensorParallel(loaded.source, tp_size, self.max_model_len, self.device, self.dtype,
+                                     config.quantization)
+            try:
+                self.model = build_shard(loaded, 0, tp_size, self.max_model_len, self.device, self.dtype,
+                                         config.quantization)
+            except BaseException:
+                self.tp.close()
+                raise
+        else:
+            self.model = build_model(loaded, self.max_model_len, self.device, self.dtype, config.quantization)
         self.drafter = None if draft is None else DraftProposer(
             draft, self.max_model_len, self.device, self.dtype, self.kv_dtype,
             spec.quantization or config.quantization, self.backend, config.max_num_batched_tokens)
@@ -145,6 +165,9 @@ class LLMEngine:
             self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size, caching,
                                      seq_blocks=self.capacity.seq_blocks, events=self.kv_events)
         self.store = self._make_store(self.capacity.num_blocks + 1, self.capacity.bytes_per_token)
+        local_store = self.store
+        if self.tp is not None:  # every rank's store has as many blocks; forks' copies and scrubs reach them all
+            self.store = MirroredStore(local_store, self.tp)
         self.offload = make_offloader(tiers, self.store, loaded.source, self.kv_events, compute=str(self.dtype), kv=self.kv_dtype,
                                       block_size=config.block_size, quantization=config.quantization)
         self.scheduler = Scheduler(config, self.kv, self.offload)
@@ -164,8 +187,11 @@ class LLMEngine:
             raise ValueError("speculative_config cannot be combined with a sliding window whose blocks are given back "
                              "(a rejected token would move the window past blocks still needed); use "
                              "--prefix-caching-algo radix to keep every block")
-        self.runner = ModelRunner(self.model, self.store, self.kv, self.device, self.backend, self._layer_group)
-        self.runner.graphs = self.graphs.capture(self.store, self.capacity.num_blocks + 1)
+        self.runner = ModelRunner(self.model, local_store, self.kv, self.device, self.backend, self._layer_group)
+        self.runner.graphs = self.graphs.capture(local_store, self.capacity.num_blocks + 1)
+        if self.tp is not None:
+            self.runner.tp = self.tp
+            self.runner.all_threads = self.runner.small_step_threads = self.tp.threads  # set in each forward
         if self.drafter is not None:
             self.drafter.make_cache(self.capacity.num_blocks + 1, config.block_size)
         self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.shape.num_kv_heads,
@@ -198,8 +224,12 @@ class LLMEngine:
             slot_of = {i: group.layers.index(i) for group in self.layer_groups for i in group.layers}
             slots = [slot_of[i] for i in range(self.shape.num_layers)]
         layers = len(self.layer_groups[0].layers) if self.layer_groups else self.shape.num_layers
-        store = make_store(layers, num_blocks, self.config.block_size, kv_heads, head_dim, self.kv_dtype, self.dtype,
-                           self.device, bytes_per_token, latent, slots)
+        kw = dict(num_layers=layers, num_blocks=num_blocks, block_size=self.config.block_size, num_kv_heads=kv_heads,
+                  head_dim=head_dim, kv_cache_dtype=self.kv_dtype, compute_dtype=self.dtype,
+                  expected_bytes_per_token=bytes_per_token, latent=latent, layer_slots=slots)
+        store = make_store(device=self.device, **kw)
+        if self.tp is not None and bytes_per_token is not None:  # the pool's store: the workers build theirs alike
+            self.tp.send_store(kw, self.backend)
         if self.backend == "triton" and hasattr(store, "raw"):
             from kvcache.attention.triton_attention import write_quantized
             store.fused_write = write_quantized
@@ -407,6 +437,9 @@ class LLMEngine:
             return self._collect_outputs(set())
         try:
             touched = self._run(sched.chunks)
+        except RankDiedError as e:  # the ranks cannot go on together: nothing this engine runs can succeed
+            self._batch_failed([seq for seq, _ in sched.chunks], e)
+            raise EngineDeadError(f"tensor parallelism failed: {e}") from e
         except Exception as e:  # the forward, or a fault outside any one request's share of the step
             self.runner.captured = []
             self._batch_failed([seq for seq, _ in sched.chunks], e)
@@ -841,7 +874,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Write what the offload tiers still have queued and publish the last KV events; the engine must not be
-        stepped afterwards. Idempotent."""
+        stepped afterwards. Idempotent. Stops the tensor-parallel workers."""
+        if self.tp is not None:
+            self.tp.close()
         if self.offload is not None:
             self.offload.close()
         if self.event_publisher is not None:

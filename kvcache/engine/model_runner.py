@@ -6,6 +6,7 @@ import dataclasses
 import torch
 
 from kvcache.attention.metadata import ForwardBatch, KiviLayout, SeqChunk, build_batch
+from kvcache.distributed.tensor_parallel import RankDiedError
 from kvcache.engine.eviction import seq_chunk
 from kvcache.engine.sequence import Sequence
 from kvcache.memory.device_tables import DeviceBlockTables
@@ -41,6 +42,7 @@ class ModelRunner:
         self.kivi = None
         self.captured: list[torch.Tensor] = []
         self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs once captured: pure-decode steps replay them
+        self.tp = None  # distributed/tensor_parallel.py's TensorParallel on rank 0: each forward is broadcast first
         if store.kivi_group:
             self.kivi = KiviLayout(store.kivi_group, store.num_kv_heads * store.head_dim, store.row_elems)
 
@@ -72,11 +74,17 @@ class ModelRunner:
         """Run one chunk of a sequence whose blocks are allocated; fp32 logits of `logit_rows` (chunk rows)."""
         return self._forward([chunk], logit_rows)
 
-    def _batch(self, specs: list[SeqChunk], kv: KVCacheManager, tables: DeviceBlockTables,
+    def forward_rows(self, specs: list[SeqChunk], logit_rows: range | None) -> torch.Tensor:
+        """A forward as rank 0 asked for it (a tensor-parallel worker: it has no manager; the chunks carry the
+        tables)."""
+        return self._forward(specs, logit_rows)
+
+    def _batch(self, specs: list[SeqChunk], kv: KVCacheManager | None, tables: DeviceBlockTables,
                windows: tuple[int | None, ...]) -> ForwardBatch:
-        rows = tables.sync(kv, [c.seq_id for c in specs])
+        rows = tables.sync(kv, [c.seq_id for c in specs]) if kv is not None else None
         batch = build_batch(specs, self.store.block_size, windows, self.device, self.decode_kernel,
-                            read_cache=not self.store.exact, kivi=self.kivi, tables=tables.table, table_rows=rows)
+                            read_cache=not self.store.exact, kivi=self.kivi,
+                            tables=tables.table if kv is not None else None, table_rows=rows)
         batch.backend = self.backend
         return batch
 
@@ -99,6 +107,19 @@ class ModelRunner:
         return list(zip(self.kv.groups, self.group_tables))
 
     def _forward(self, specs: list[SeqChunk], logit_rows: range | None = None) -> torch.Tensor:
+        if self.tp is not None:  # rank 0 of a tensor-parallel group: every rank runs this forward
+            self.tp.send_step(specs, logit_rows)
+            try:
+                return self._local_forward(specs, logit_rows)
+            except RankDiedError:
+                self.tp.name_the_dead()  # which rank, if one exited
+                raise
+            except Exception as e:  # the other ranks are inside (or past) collectives this rank will not join
+                raise RankDiedError(f"a tensor-parallel forward failed midway on rank 0 ({type(e).__name__}: {e}); "
+                                    "the ranks' collectives are out of step") from e
+        return self._local_forward(specs, logit_rows)
+
+    def _local_forward(self, specs: list[SeqChunk], logit_rows: range | None) -> torch.Tensor:
         if self.graphs is not None and logit_rows is None:
             logits = self.graphs.run(specs, self.graph_tables())
             if logits is not None:

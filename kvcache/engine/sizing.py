@@ -148,7 +148,8 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
     device cannot hold one request of max_model_len tokens (a given one is the user's choice: such requests are
     refused one by one). With a draft model (`draft_bytes_per_token` > 0) the budget holds both caches with as
     many blocks each (vLLM's way): the capacity returned is the target's share."""
-    per_token = kv_bytes_per_token(shape, kv_dtype)
+    tp = config.tensor_parallel_size
+    per_token = kv_bytes_per_token(shape, kv_dtype, tp)  # one rank's: its KV heads
     compute_bytes = model.compute_dtype.itemsize
 
     def portable(budget: int) -> int:
@@ -171,7 +172,7 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
     groups = layer_groups_for(shape, config, kv_dtype)
     release = release_window(shape, config) is not None or bool(groups)
     capacity = cache_capacity(shape, kv_dtype, share, config.block_size, max_model_len, release=release,
-                              groups=groups if groups else None)
+                              groups=groups if groups else None, tensor_parallel_size=tp)
     one_request = peak_blocks(max_model_len, [g.window for g in groups] or [None], config) + capacity.seq_blocks
     if budget.derived and capacity.num_blocks < one_request:
         raise ValueError(f"the KV cache this device leaves ({budget}) holds {capacity.num_blocks:,} blocks, fewer than "
@@ -211,7 +212,8 @@ def single_table_reason(config: EngineConfig, kv_dtype: str) -> str | None:
     reasons = {"kv_cache_dtype " + kv_dtype + "'s fp16 key residual (KIVI)": KV_DTYPES[kv_dtype].scales == "kivi",
                "the KV offload tiers": bool(config.kv_offload_memory or config.kv_offload_dir or config.kv_remote),
                "--preemption-mode swap": config.preemption_mode == "swap",
-               "KV events": bool(config.kv_events_endpoint), "speculative decoding": config.speculative is not None}
+               "KV events": bool(config.kv_events_endpoint), "speculative decoding": config.speculative is not None,
+               "tensor parallelism (its workers build batches from one table)": config.tensor_parallel_size > 1}
     on = [name for name, yes in reasons.items() if yes]
     return f"{' and '.join(on)} need one block table of every layer" if on else None
 

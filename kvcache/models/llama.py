@@ -196,6 +196,7 @@ class DecoderLayer(nn.Module):
         self.kernels = None  # the C++ CPU kernels (cpu_kernels.py) when computing in float32 on the CPU
         self.fused: list[list[torch.Tensor]] | None = None  # the linears' tensors for the fused path
         self.fused_any_rows = False  # whether the fused path takes steps above FUSED_MAX_ROWS (fuse)
+        self.tp = None  # tensor parallelism (distributed/tensor_parallel.py): all-reduces o_proj's and down's outputs
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,9 +250,13 @@ class DecoderLayer(nn.Module):
             batch.captured_q.append(q.index_select(0, batch.capture_rows))
         src = store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
         o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
-        h, residual = self._add_norm(self.o_proj(o.view(T, -1)), residual, self.post_norm)
+        o = self.o_proj(o.view(T, -1))
+        if self.tp is not None:  # row-parallel: each rank's heads' share of the projection, summed
+            o = self.tp.all_reduce(o)
+        h, residual = self._add_norm(o, residual, self.post_norm)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return self.down(F.silu(gate).mul_(up)), residual
+        out = self.down(F.silu(gate).mul_(up))
+        return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
 
     def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -334,6 +339,7 @@ class LlamaModel(nn.Module):
         self.final_softcap: float | None = None  # logits = c * tanh(logits / c) where set (Gemma)
         self.rope_dtype: torch.dtype | None = None  # the dtype RoPE's cos/sin are cast to per step (None: compute's)
         self.workspace = Workspace()
+        self.tp = None  # tensor parallelism: a vocabulary-parallel embedding and head (their collectives)
 
     @staticmethod
     def int4_input_sizes(cfg: PretrainedConfig) -> dict[str, int]:
@@ -373,6 +379,11 @@ class LlamaModel(nn.Module):
         return packed + sum(p.numel() * p.element_size() for p in self.parameters())
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:
+            return self.tp.embed(self._embed_rows, ids)
+        return self._embed_rows(ids)
+
+    def _embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
             return self.lm_head.rows(ids).to(self.compute_dtype).contiguous()
         return self.embed(ids)
@@ -398,6 +409,8 @@ class LlamaModel(nn.Module):
         # Only rows that sample need the norm and the (large) LM head.
         h = (x + residual).index_select(0, batch.logits_indices)
         logits = self.lm_head(self.final_norm(h))
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -1,0 +1,121 @@
+"""Tensor parallelism over torch.distributed (gloo, 2 ranks on the CPU): the same greedy tokens as one rank, half the
+KV heads per rank as the planner counts, a dead rank reported instead of hung on, bad sizes refused with numbers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformers import AutoConfig
+
+from kvcache import LLM, SamplingParams
+from kvcache.engine.llm_engine import EngineDeadError
+from kvcache.plan.kv_bytes import kv_bytes_per_token
+from kvcache.plan.shape import shape_from_config
+
+from tiny_models import hf_greedy, hf_model
+
+KW = dict(kv_cache_memory="1MiB", max_model_len=160, max_num_batched_tokens=32, block_size=16)
+
+
+def _prompts(seed: int, n: int = 4) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (int(m),), generator=g).tolist() for m in torch.randint(5, 70, (n,), generator=g)]
+
+
+def _tokens(llm, prompts, params):
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture
+def tp_llm():
+    made = []
+
+    def make(path, **kw):
+        llm = LLM(path, tensor_parallel_size=2, **{**KW, **kw})
+        made.append(llm)
+        return llm
+    yield make
+    for llm in made:
+        llm.engine.close()
+
+
+# llama: GQA 4 heads over 2 KV heads (one KV head per rank); llama-mqa-tied: one KV head, replicated on both ranks,
+# and a tied vocabulary-parallel embedding; qwen2: q/k/v biases; qwen3: q/k norms and head_dim 32
+@pytest.mark.parametrize("arch, kv", [("llama", "auto"), ("llama-mqa-tied", "int8"), ("qwen2", "fp8_e4m3"),
+                                      ("qwen3", "int4")])
+def test_two_ranks_give_one_ranks_tokens(tiny_model_dirs, tp_llm, arch, kv):
+    """A mixed batch with chunked prefill (32-token steps), a prefix-cache hit on the second pass, preemptions
+    (a pool of 14 blocks) and seeded samples with n = 2 (forks: their block copies reach the worker's store): the tokens
+    of one rank, and transformers' greedy tokens in float32."""
+    path = tiny_model_dirs[arch]
+    block = 64 if kv == "int4" else 16
+    # a pool of a few requests, as many blocks on each rank as on one (a rank's block holds its KV heads only)
+    shape = shape_from_config(AutoConfig.from_pretrained(path).to_dict())
+    dtype = "float32" if kv == "auto" else kv
+    blocks = 30 if kv == "int4" else 14  # int4: 64-token blocks, 2 a request and 2 for its key residual
+    one = LLM(path, kv_cache_dtype=kv, **{**KW, "block_size": block,
+                                          "kv_cache_memory": blocks * block * kv_bytes_per_token(shape, dtype)})
+    two = tp_llm(path, kv_cache_dtype=kv, block_size=block,
+                 kv_cache_memory=blocks * block * kv_bytes_per_token(shape, dtype, 2))
+    assert two.kv_cache_info()["num_blocks"] == one.kv_cache_info()["num_blocks"] == blocks
+    prompts = _prompts(seed=len(arch))
+    prompts.append((prompts[1] * 9)[:block + 8])  # at least a block: a prefix-cache hit on the second pass
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for _ in range(2):
+        assert _tokens(two, prompts, greedy) == _tokens(one, prompts, greedy)
+    assert two.kv_cache_info()["prefix_cache_hits"] > 0
+    if kv != "int4":  # (its pool fits the prefix to hit on instead)
+        assert two.kv_cache_info()["num_preemptions"] > 0
+    if kv == "auto":
+        hf = hf_model(path)
+        assert [t[0] for t in _tokens(two, prompts, greedy)] == [hf_greedy(hf, p, 24) for p in prompts]
+    sampled = SamplingParams(n=2, temperature=1.0, top_k=20, seed=5, max_tokens=12, ignore_eos=True)
+    assert _tokens(two, prompts[:2], sampled) == _tokens(one, prompts[:2], sampled)
+    two.engine.check_no_leaks()
+
+
+def test_each_rank_holds_the_planners_per_gpu_kv_bytes(tiny_model_dirs, tp_llm):
+    path = tiny_model_dirs["llama"]
+    two = tp_llm(path)
+    info = two.kv_cache_info()
+    shape = two.engine.shape  # the whole model's
+    assert info["bytes_per_token"] == kv_bytes_per_token(shape, "float32", 2) == kv_bytes_per_token(shape, "float32") // 2
+    store = two.engine.store
+    assert store.nbytes == info["bytes_per_token"] * info["block_size"] * (info["num_blocks"] + 1)
+    assert store.k[0].shape[2] == 1  # one of the two KV heads on this rank (the worker checks its own store alike)
+
+
+def test_a_rank_that_dies_is_reported_not_hung_on(tiny_model_dirs, tp_llm):
+    two = tp_llm(tiny_model_dirs["llama"])
+    proc = two.engine.tp.procs[0]
+    proc.kill()
+    proc.wait(timeout=10)
+    with pytest.raises(EngineDeadError, match=r"tensor-parallel rank 1 \(process \d+\) exited with code -9"):
+        two.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_bad_sizes_are_refused_before_loading_with_the_numbers(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the 2 KV heads or be a multiple of them"):
+        LLM(path, tensor_parallel_size=3, **KW)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 needs a CPU core per rank; this process may use"):
+        LLM(path, tensor_parallel_size=4, **KW)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer, got 0"):
+        LLM(path, tensor_parallel_size=0, **KW)
+    with pytest.raises(ValueError, match="runs the llama, mistral, qwen2, qwen3 architectures, not gemma2"):
+        LLM(tiny_model_dirs["gemma2"], tensor_parallel_size=2, **KW)
+    with pytest.raises(ValueError, match="cannot be combined with kv_eviction h2o yet"):
+        LLM(path, tensor_parallel_size=2, kv_eviction="h2o", kv_budget=32, **KW)
+
+
+def test_ngram_speculation_on_two_ranks(tiny_model_dirs, tp_llm):
+    """Verification rows (several logits of one sequence, each attended as a decode) go through the broadcast too:
+    one rank's tokens, with proposals accepted."""
+    path = tiny_model_dirs["llama"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    one = LLM(path, speculative_config=spec, **KW)
+    two = tp_llm(path, speculative_config=spec)
+    prompts = [p[:20] * 3 for p in _prompts(seed=9, n=3)]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert _tokens(two, prompts, greedy) == _tokens(one, prompts, greedy)
+    assert two.kv_cache_info()["spec_decode_num_accepted_tokens"] > 0
