@@ -18,6 +18,7 @@ rank 0 does too (the ranks' collectives would be out of step).
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import datetime
@@ -361,16 +362,14 @@ class TensorParallel:
     would start engines recursively), and a forked one would inherit this process's OpenMP and CUDA state. Each
     worker's output goes to a log file named at start-up; the last lines of a worker that died are in the error."""
 
-    _active: weakref.ref | None = None  # one group per process: torch.distributed has one default group
+    _open: list[TensorParallel] = []  # groups not closed yet (at most one: torch.distributed has one default group);
+    # held here so that one dropped without close() is still closed at exit, its workers told to stop
 
     def __init__(self, model_path: str, size: int, max_model_len: int, device: torch.device, dtype: torch.dtype,
                  quantization: str) -> None:
-        previous = TensorParallel._active() if TensorParallel._active else None
-        if previous is not None and not previous.closed:
-            raise ValueError("a tensor-parallel engine is already running in this process (close it first: "
-                             "torch.distributed has one process group per process)")
-        if dist.is_initialized():  # left by an engine that was dropped without close()
-            dist.destroy_process_group()
+        if TensorParallel._open:
+            raise ValueError("a tensor-parallel engine is already running in this process (close it first, "
+                             "LLM.engine.close(): torch.distributed has one process group per process)")
         self.size, self.device, self.threads = size, device, _threads_per_rank(size)
         self.closed = False
         self.pending: list[tuple[str, tuple]] = []  # store operations the workers have yet to apply
@@ -378,7 +377,7 @@ class TensorParallel:
         if launched_rank(size) == 0:  # torchrun started every rank (on this node or others): join them
             self._finalizer = None
             self._join("env://")
-            TensorParallel._active = weakref.ref(self)
+            TensorParallel._open.append(self)
             log.info("tensor parallelism: %d ranks (%s) started by the launcher (MASTER_ADDR %s)", size,
                      "NCCL" if device.type == "cuda" else "gloo", os.environ.get("MASTER_ADDR", "?"))
             return
@@ -396,7 +395,7 @@ class TensorParallel:
         self._finalizer = weakref.finalize(self, TensorParallel._stop_procs, self.procs)
         torch.set_num_threads(self.threads)
         self._join(init_method)
-        TensorParallel._active = weakref.ref(self)
+        TensorParallel._open.append(self)
         log.info("tensor parallelism: %d ranks (%s), %d threads each; ranks 1-%d are processes %s (logs in %s)",
                  size, "NCCL" if device.type == "cuda" else "gloo", self.threads, size - 1,
                  ", ".join(str(p.pid) for p in self.procs), self.log_dir)
@@ -465,6 +464,8 @@ class TensorParallel:
         if self.closed:
             return
         self.closed = True
+        if self in TensorParallel._open:
+            TensorParallel._open.remove(self)
         try:
             if all(p.poll() is None for p in self.procs):
                 _checked(dist.broadcast_object_list, [None], 0)
@@ -491,6 +492,12 @@ class TensorParallel:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for tp in list(TensorParallel._open):
+        tp.close()
 
 
 def _tail(path: str, lines: int = 15) -> str:

@@ -87,6 +87,15 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.tp = None
+        try:
+            self._build(config, loaded)
+        except BaseException:
+            if self.tp is not None:  # the workers stop with the engine that failed to start
+                self.tp.close()
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
         if slow := slow_half_precision(self.device, self.dtype):

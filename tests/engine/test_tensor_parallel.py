@@ -119,3 +119,20 @@ def test_ngram_speculation_on_two_ranks(tiny_model_dirs, tp_llm):
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     assert _tokens(two, prompts, greedy) == _tokens(one, prompts, greedy)
     assert two.kv_cache_info()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_torchrun_starts_every_rank_and_the_command_runs_on_rank_0(tiny_model_dirs):
+    """The multi-node launch, on one machine: `torchrun --nproc-per-node 2 -m kvcache.cli generate ...`; rank 1
+    serves as rank 0's worker and exits 0 when it stops; rank 0 prints one rank's text."""
+    import subprocess
+    import sys
+    path = tiny_model_dirs["llama"]
+    args = ["-m", "kvcache.cli", "generate", "--model", path, "--kv-cache-memory", "1MiB", "--max-model-len", "128",
+            "--prompt", "w5 w6 w7 w8", "--max-tokens", "8", "--ignore-eos"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    two = subprocess.run(torchrun + args + ["--tensor-parallel-size", "2"], capture_output=True, text=True,
+                         timeout=240)
+    one = subprocess.run([sys.executable] + args, capture_output=True, text=True, timeout=240)
+    assert two.returncode == 0, two.stderr[-2000:]
+    text = [line for line in one.stdout.splitlines() if line.startswith("w")]
+    assert text and [line for line in two.stdout.splitlines() if line.startswith("w")] == text
