@@ -495,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
              "expanded attention", "kvcache.bench.mla")
     _command(bsub, "tensor-parallel", "the same workload on 1 rank and on --tensor-parallel-size ranks: tok/s, KV "
              "bytes per rank against the planner's, same tokens", "kvcache.bench.tensor_parallel")
+    _command(bsub, "replicas", "K replicas on Ray Serve, KV-aware routing against round-robin: prefix-cache hit "
+             "rate and TTFT on shared-prefix and multi-turn workloads", "kvcache.bench.replicas")
     _command(bsub, "kv-page", "the live KV page's cost: the snapshot on a 100k-block pool, and serving throughput "
              "with viewers against none", "kvcache.bench.kv_page")
 

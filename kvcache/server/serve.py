@@ -28,6 +28,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kv-page", action="store_true", help="do not serve the live KV cache page (/kv)")
     p.add_argument("--kv-page-show-text", action="store_true",
                    help="show each request's prompt text on the KV page (prompts are user data: off by default)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas on Ray Serve behind one ingress (a local Ray cluster is started; needs "
+                        "pip install 'ray[serve]')")
+    p.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin"],
+                   help="with --replicas: send a request to the replica holding its longest prefix (balanced against "
+                        "requests in flight), or round-robin")
+    p.add_argument("--routing-balance", type=int, default=4,
+                   help="kv-aware: the prefix's replica may have this many more requests in flight than the "
+                        "least-loaded one before the request goes to the least-loaded one instead")
 
 
 def model_name(path: str | None, given: str | None) -> str:
@@ -60,6 +69,13 @@ def create(config: EngineConfig, served_model_name: str | None = None, api_key: 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     import uvicorn
 
+    if args.served_model:
+        config.model = args.served_model
+    if args.replicas != 1:
+        if not 0 < args.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {args.port}")
+        from kvcache.distributed.replicas import serve_replicas
+        return serve_replicas(args, config)
     if args.served_model:
         config.model = args.served_model
     if not 0 < args.port < 65536:

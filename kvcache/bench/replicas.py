@@ -1,0 +1,155 @@
+"""`kvcache bench replicas`: K replicas on Ray Serve (`kvcache serve --replicas K`), KV-aware routing against
+round-robin, on the shared-prefix and multi-turn workloads, side by side.
+
+For each routing policy a server is started (a local Ray cluster, K replicas of the model with `--kv-cache-memory`
+each), and each workload goes through `kvcache bench serve` (streaming /v1/completions, seeded prompts of common
+English words). Around each workload the ingress's /metrics (every replica's counters under a `replica` label) is
+read: the prefix-cache hit rate is the prompt tokens found cached over those looked up, summed over replicas. The
+table has hit rate, mean TTFT and output tok/s per policy and workload, and KV-aware's ratio to round-robin.
+
+Defaults (the issue's): 4 replicas; shared-prefix 16 system prompts x 8 users (prefix 256 words, each user 32 of its
+own), multi-turn 16 conversations of 4 turns sharing one system prompt; the demo model with 256 MiB of KV each.
+"""
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from kvcache.bench.throughput import write_json
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--kv-cache-memory", default="256MiB", help="per replica")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--groups", type=int, default=16, help="shared-prefix: system prompts")
+    p.add_argument("--users", type=int, default=8, help="shared-prefix: requests per system prompt")
+    p.add_argument("--prefix-len", type=int, default=256, help="words of each system prompt")
+    p.add_argument("--suffix-len", type=int, default=32, help="words of each user's own message")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--conversations", type=int, default=16, help="multi-turn: conversations")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--workloads", default="shared-prefix,multi-turn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="results/replicas.json")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hits(url: str) -> tuple[float, float]:
+    """(prompt tokens found cached, looked up), summed over the replicas."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    total = {"hits": 0.0, "queries": 0.0}
+    for line in text.splitlines():
+        m = re.match(r"kvcache:prefix_cache_(hits|queries)_total\{[^}]*\}\s+(\S+)", line)
+        if m:
+            total[m.group(1)] += float(m.group(2))
+    return total["hits"], total["queries"]
+
+
+def _start(args, policy: str, port: int, log_path: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvcache.cli", "serve", "--replicas", str(args.replicas), "--routing", policy,
+           "--port", str(port), "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 600
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvcache serve --replicas exited with {proc.returncode}; see {log_path}")
+        try:
+            r = httpx.get(f"{url}/replicas", timeout=5).json()
+            if all("pid" in x for x in r["replicas"]):
+                return proc
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"the replicas did not come up in 600 s; see {log_path}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)  # serve.shutdown() and ray.shutdown() run on the way out
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _workload_args(args, name: str, url: str, out: str) -> list[str]:
+    common = ["--url", url, "--output-len", str(args.output_len), "--max-concurrency", str(args.max_concurrency),
+              "--seed", str(args.seed), "--json", out]
+    if name == "shared-prefix":
+        return common + ["--workload", "shared-prefix", "--num-groups", str(args.groups), "--requests-per-group",
+                         str(args.users), "--prefix-len", str(args.prefix_len), "--suffix-len", str(args.suffix_len)]
+    return common + ["--workload", "multi-turn", "--num-conversations", str(args.conversations), "--num-turns",
+                     str(args.turns), "--prefix-len", str(args.prefix_len), "--suffix-len", str(args.suffix_len)]
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from kvcache.bench import serve as bench_serve
+    if args.replicas < 2:
+        raise ValueError(f"--replicas must be at least 2 to compare routing, got {args.replicas}")
+    names = [w for w in args.workloads.split(",") if w]
+    if not names or set(names) - {"shared-prefix", "multi-turn"}:
+        raise ValueError(f"--workloads must name shared-prefix and/or multi-turn, got {args.workloads!r}")
+    results = {"replicas": args.replicas, "model": args.model or "demo", "workloads": {}}
+    tmp = tempfile.mkdtemp(prefix="kvcache-bench-replicas-")
+    for policy in ("kv-aware", "round-robin"):
+        port = _free_port()
+        proc = _start(args, policy, port, os.path.join(tmp, f"{policy}.log"))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for name in names:
+                out = os.path.join(tmp, f"{policy}.{name}.json")
+                p = argparse.ArgumentParser()
+                bench_serve.add_args(p)
+                h0, q0 = _hits(url)
+                if bench_serve.run(p.parse_args(_workload_args(args, name, url, out))) != 0:
+                    raise RuntimeError(f"no request of {name} completed under {policy} routing")
+                h1, q1 = _hits(url)
+                rep = json.load(open(out))
+                decisions = httpx.get(f"{url}/replicas", timeout=30).json()["decisions"]
+                results["workloads"].setdefault(name, {})[policy] = {
+                    "prefix_cache_hit_rate": (h1 - h0) / max(1.0, q1 - q0), "hit_tokens": h1 - h0,
+                    "queried_tokens": q1 - q0, "mean_ttft_ms": rep["mean_ttft_ms"],
+                    "output_tokens_per_s": rep["output_throughput"], "completed": rep["completed"],
+                    "failed": rep["failed"], "router_decisions": decisions}
+        finally:
+            _stop(proc)
+    for name, w in results["workloads"].items():
+        kv, rr = w["kv-aware"], w["round-robin"]
+        w["hit_rate_ratio"] = kv["prefix_cache_hit_rate"] / max(1e-9, rr["prefix_cache_hit_rate"])
+        w["ttft_ratio"] = kv["mean_ttft_ms"] / max(1e-9, rr["mean_ttft_ms"])
+    _print(results)
+    write_json(args.json, results)
+    return 0
+
+
+def _print(results: dict) -> None:
+    print(f"\n{results['replicas']} replicas of {results['model']} on Ray Serve")
+    print(f"{'workload':<14} {'routing':<12} {'hit rate':>9} {'mean TTFT ms':>13} {'out tok/s':>10} {'failed':>7}")
+    for name, w in results["workloads"].items():
+        for policy in ("kv-aware", "round-robin"):
+            r = w[policy]
+            print(f"{name:<14} {policy:<12} {r['prefix_cache_hit_rate']:>8.1%} {r['mean_ttft_ms']:>13.0f} "
+                  f"{r['output_tokens_per_s']:>10.1f} {r['failed']:>7}")
+        print(f"{'':<14} {'kv-aware / round-robin':<12}: hit rate {w['hit_rate_ratio']:.2f}x, mean TTFT "
+              f"{w['ttft_ratio']:.2f}x")

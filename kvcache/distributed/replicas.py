@@ -1,0 +1,323 @@
+"""`kvcache serve --replicas K`: K engine replicas on Ray Serve behind one OpenAI-compatible ingress with a KV-aware
+router.
+
+- Each replica is a Ray Serve deployment of its own (`replica-0` ... `replica-{K-1}`, one Ray actor each) running the
+  whole `kvcache serve` app (engine, engine loop, OpenAI routes, metrics) on a loopback port of its own; Ray Serve
+  health-checks it (its engine loop must be alive) and restarts it when it dies.
+- The ingress (deployment `router`, Ray Serve's HTTP proxy on --host/--port) proxies each request to one replica,
+  streaming included. `--routing kv-aware` (the default) keeps an approximate prefix index, as SGLang's router does:
+  the prompt (token ids in blocks of 16, text in blocks of 64 characters, chat messages as their JSON) is hashed
+  block by block into a chain, each chain hash remembering the replica it was last sent to; a request goes to the
+  replica holding its longest indexed prefix unless that replica has more requests in flight than the least-loaded
+  one plus `--routing-balance` (then to the least-loaded one, ties broken by KV usage). `round-robin` is the
+  baseline. A replica with the shared Redis tier configured (--kv-remote) still loads a prefix it misses from the
+  tier, so a misrouted request costs a load, not a prefill.
+- GET /metrics merges every replica's metrics with a `replica` label, plus the router's own counters
+  (`kvcache:router_requests_total{decision}`, `kvcache:router_prefix_hit_routed_total`,
+  `kvcache:router_retries_total`). A replica that cannot be reached before a request starts streaming is skipped
+  for a few seconds and the request retried on another (a request already streaming fails with the error).
+"""
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections import OrderedDict
+
+import httpx
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the routes' annotations here
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+log = logging.getLogger("kvcache")
+TOKEN_BLOCK, CHAR_BLOCK = 16, 64
+INDEX_ENTRIES = 200_000  # chain hashes the router remembers (least recently routed forgotten first)
+DOWN_S = 5.0  # a replica that could not be reached is skipped this long
+
+
+def prefix_keys(body: dict) -> list[bytes]:
+    """The chain of block hashes of a request's prompt: key i covers the first i + 1 blocks."""
+    prompt = body.get("prompt", body.get("messages"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]  # a batch of prompts: route by the first
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        blocks = [",".join(map(str, prompt[i:i + TOKEN_BLOCK])).encode() for i in range(0, len(prompt), TOKEN_BLOCK)]
+    else:
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+        blocks = [text[i:i + CHAR_BLOCK].encode() for i in range(0, len(text), CHAR_BLOCK)]
+    keys, h = [], hashlib.sha256(str(body.get("model")).encode()).digest()
+    for b in blocks:
+        h = hashlib.sha256(h + b).digest()
+        keys.append(h)
+    return keys
+
+
+class PrefixRouter:
+    """Which replica a request goes to (no I/O: the ingress keeps the in-flight counts and KV usage it reads)."""
+
+    def __init__(self, num_replicas: int, policy: str = "kv-aware", balance: int = 4) -> None:
+        if policy not in ("kv-aware", "round-robin"):
+            raise ValueError(f"routing must be kv-aware or round-robin, got {policy!r}")
+        self.n, self.policy, self.balance = num_replicas, policy, balance
+        self.index: OrderedDict[bytes, int] = OrderedDict()
+        self.inflight = [0] * num_replicas
+        self.kv_usage = [0.0] * num_replicas
+        self.down_until = [0.0] * num_replicas
+        self.next = 0
+        self.decisions = {"prefix": 0, "least_loaded": 0, "round_robin": 0}
+
+    def up(self) -> list[int]:
+        now = time.monotonic()
+        live = [i for i in range(self.n) if self.down_until[i] <= now]
+        return live or list(range(self.n))
+
+    def choose(self, keys: list[bytes], exclude: set[int] = frozenset()) -> int:
+        live = [i for i in self.up() if i not in exclude] or [i for i in range(self.n) if i not in exclude]
+        if not live:
+            raise RuntimeError("no replica left to try")
+        if self.policy == "round-robin":
+            for _ in range(self.n):
+                i, self.next = self.next, (self.next + 1) % self.n
+                if i in live:
+                    self.decisions["round_robin"] += 1
+                    return i
+        least = min(live, key=lambda i: (self.inflight[i], self.kv_usage[i]))
+        best = None
+        for k in keys:  # the deepest indexed prefix on a live replica
+            r = self.index.get(k)
+            if r is None:
+                break
+            if r in live:
+                best = r
+        if best is not None and self.inflight[best] <= self.inflight[least] + self.balance:
+            self.decisions["prefix"] += 1
+            return best
+        self.decisions["least_loaded"] += 1
+        return least
+
+    def routed(self, keys: list[bytes], replica: int) -> None:
+        """Remember that `replica` now holds these prefixes."""
+        for k in keys:
+            self.index[k] = replica
+            self.index.move_to_end(k)
+        while len(self.index) > INDEX_ENTRIES:
+            self.index.popitem(last=False)
+
+
+def relabel(text: str, replica: int, keep_meta: bool) -> list[str]:
+    """A replica's Prometheus text with replica="i" added to every sample (HELP/TYPE lines kept once)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            if keep_meta:
+                out.append(line)
+            continue
+        m = re.match(r"([^{\s]+)(\{([^}]*)\})?\s+(.*)", line)
+        if not m:
+            continue
+        labels = f'replica="{replica}"' + (f",{m.group(3)}" if m.group(3) else "")
+        out.append(f"{m.group(1)}{{{labels}}} {m.group(4)}")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class ReplicaOptions:
+    config: dict  # EngineConfig fields
+    served_model_name: str | None
+    api_key: str | None
+    threads: int
+
+
+def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: int):
+    """The Ray Serve application: K replica deployments and the router ingress bound to them."""
+    from ray import serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {
+        "OMP_NUM_THREADS": str(options.threads)}}}, health_check_period_s=2, health_check_timeout_s=30)
+    class EngineReplica:
+        """One `kvcache serve` app on a loopback port of this actor's."""
+
+        def __init__(self, index: int) -> None:
+            import torch
+            import uvicorn
+
+            from kvcache.config import EngineConfig
+            from kvcache.server.serve import create
+            torch.set_num_threads(options.threads)
+            self.index = index
+            self.app, self.loop = create(EngineConfig(**options.config), options.served_model_name, options.api_key)
+            self.port = _free_port()
+            self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                        log_level="warning"))
+            self.thread = threading.Thread(target=self.server.run, name="kvcache-replica-http", daemon=True)
+            self.thread.start()
+            while not self.server.started:
+                if not self.thread.is_alive():
+                    raise RuntimeError(f"replica {index}'s HTTP server did not start")
+                time.sleep(0.02)
+
+        def address(self) -> dict:
+            return {"url": f"http://127.0.0.1:{self.port}", "pid": os.getpid()}
+
+        def load(self) -> dict:
+            info = self.loop.engine.kv_cache_info()
+            return {"kv_usage": info["usage"], "prefix_cache_hits": info["prefix_cache_hits"],
+                    "prefix_cache_queries": info["prefix_cache_queries"]}
+
+        def check_health(self) -> None:
+            if not self.loop.alive or not self.thread.is_alive():
+                raise RuntimeError(f"replica {self.index}'s engine loop is not running")
+
+    web = FastAPI()
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+    @serve.ingress(web)
+    class Router:
+        def __init__(self, *replicas) -> None:
+            self.handles = list(replicas)
+            self.router = PrefixRouter(len(replicas), policy, balance)
+            self.urls: list[str | None] = [None] * len(replicas)
+            self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+            self.retries = 0
+
+        async def _url(self, i: int, refresh: bool = False) -> str:
+            if refresh or self.urls[i] is None:
+                self.urls[i] = (await self.handles[i].address.remote())["url"]
+            return self.urls[i]
+
+        async def _poll_usage(self) -> None:
+            for i, h in enumerate(self.handles):
+                try:
+                    self.router.kv_usage[i] = (await h.load.remote())["kv_usage"]
+                except Exception:  # noqa: BLE001 -- a replica restarting: its usage is unknown for now
+                    pass
+
+        async def _proxy(self, request: Request, path: str):
+            body = await request.body()
+            try:
+                parsed = json.loads(body) if body else {}
+            except ValueError:
+                parsed = {}
+            keys = prefix_keys(parsed) if isinstance(parsed, dict) else []
+            headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+            tried: set[int] = set()
+            while True:
+                i = self.router.choose(keys, tried)
+                self.router.routed(keys, i)
+                self.router.inflight[i] += 1
+                try:
+                    url = await self._url(i, refresh=bool(tried))
+                    upstream = await self.client.send(self.client.build_request(
+                        request.method, f"{url}{path}", content=body, headers=headers), stream=True)
+                except (httpx.HTTPError, Exception) as e:  # noqa: BLE001 -- unreachable: try another replica
+                    self.router.inflight[i] -= 1
+                    self.router.down_until[i] = time.monotonic() + DOWN_S
+                    self.urls[i] = None
+                    tried.add(i)
+                    self.retries += 1
+                    log.warning("replica %d unreachable (%s); retrying on another", i, e)
+                    if len(tried) >= len(self.handles):
+                        return JSONResponse({"error": {"message": "no replica could be reached", "type":
+                                                       "server_error", "code": "no_replica"}}, status_code=503)
+                    continue
+                break
+
+            async def stream():
+                try:
+                    async for chunk in upstream.aiter_raw():
+                        yield chunk
+                finally:
+                    await upstream.aclose()
+                    self.router.inflight[i] -= 1
+            kept = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "retry-after")}
+            kept["x-kvcache-replica"] = str(i)
+            return StreamingResponse(stream(), status_code=upstream.status_code, headers=kept)
+
+        @web.post("/v1/completions")
+        async def completions(self, request: Request):
+            return await self._proxy(request, "/v1/completions")
+
+        @web.post("/v1/chat/completions")
+        async def chat(self, request: Request):
+            return await self._proxy(request, "/v1/chat/completions")
+
+        @web.get("/v1/models")
+        async def models(self, request: Request):
+            return await self._proxy(request, "/v1/models")
+
+        @web.get("/health")
+        async def health(self):
+            return Response(status_code=200)
+
+        @web.get("/replicas")
+        async def replicas(self):
+            """Each replica's address, process and in-flight count, and the router's decisions."""
+            out = []
+            for i in range(len(self.handles)):
+                try:
+                    out.append({**(await self.handles[i].address.remote()), "inflight": self.router.inflight[i]})
+                except Exception as e:  # noqa: BLE001
+                    out.append({"error": str(e), "inflight": self.router.inflight[i]})
+            return {"policy": self.router.policy, "replicas": out, "decisions": self.router.decisions,
+                    "retries": self.retries}
+
+        @web.get("/metrics")
+        async def metrics(self):
+            await self._poll_usage()
+            lines = []
+            for i in range(len(self.handles)):
+                try:
+                    r = await self.client.get(f"{await self._url(i)}/metrics")
+                    lines += relabel(r.text, i, keep_meta=not lines)
+                except Exception:  # noqa: BLE001 -- a replica restarting is missing from this scrape
+                    self.urls[i] = None
+            d = self.router.decisions
+            lines += ["# HELP kvcache:router_requests_total Requests routed, by decision.",
+                      "# TYPE kvcache:router_requests_total counter"]
+            lines += [f'kvcache:router_requests_total{{decision="{k}"}} {v}' for k, v in d.items()]
+            lines += ["# TYPE kvcache:router_prefix_hit_routed_total counter",
+                      f"kvcache:router_prefix_hit_routed_total {d['prefix']}",
+                      "# TYPE kvcache:router_retries_total counter", f"kvcache:router_retries_total {self.retries}"]
+            return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    replicas = [EngineReplica.options(name=f"replica-{i}").bind(i) for i in range(num_replicas)]
+    return Router.options(name="router").bind(*replicas)
+
+
+def serve_replicas(args, config) -> int:
+    """`kvcache serve --replicas K`: start a local Ray cluster and Ray Serve, deploy, and serve until interrupted."""
+    import ray
+    from ray import serve
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if config.tensor_parallel_size > 1:
+        raise ValueError("--replicas with --tensor-parallel-size is not supported yet: run one or the other")
+    cores = os.cpu_count() or 1
+    from kvcache.server.serve import model_name
+    options = ReplicaOptions(dataclasses.asdict(config), model_name(config.model, args.served_model_name),
+                             args.api_key or None, max(1, cores // args.replicas))
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(args.replicas, options, args.routing, args.routing_balance), name="kvcache",
+                  route_prefix="/")
+        log.info("serving %d replicas behind %s routing on http://%s:%d (Ray Serve)", args.replicas, args.routing,
+                 args.host, args.port)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()

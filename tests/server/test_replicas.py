@@ -1,0 +1,104 @@
+"""`kvcache serve --replicas K`: replicas on Ray Serve behind the KV-aware router (a local Ray cluster started by the
+command), as a user runs it; and the router's choices on their own."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvcache.distributed.replicas import PrefixRouter, prefix_keys, relabel
+
+from live_server import free_port
+
+
+def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
+    r = PrefixRouter(3, "kv-aware", balance=2)
+    a = prefix_keys({"model": "m", "prompt": list(range(40))})  # 3 blocks of 16 ids
+    assert len(a) == 3
+    first = r.choose(a)
+    r.routed(a, first)
+    longer = prefix_keys({"model": "m", "prompt": list(range(40)) + [7] * 20})
+    assert longer[:2] == a[:2] and r.choose(longer) == first and r.decisions["prefix"] == 1
+    assert prefix_keys({"model": "other", "prompt": list(range(40))})[0] != a[0]  # models never share
+    r.inflight[first] = 3  # the prefix's replica is 3 requests busier than the idle ones: beyond the balance
+    assert r.choose(longer) != first and r.decisions["least_loaded"] == 2
+    r.inflight[first] = 0
+    r.down_until[first] = time.monotonic() + 60  # unreachable a moment ago: skipped
+    assert r.choose(longer) != first
+    text = prefix_keys({"model": "m", "messages": [{"role": "user", "content": "x" * 200}]})
+    assert len(text) >= 3  # chat messages hash as their JSON, 64 characters a block
+    rr = PrefixRouter(3, "round-robin")
+    assert [rr.choose(a) for _ in range(4)] == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match="routing must be kv-aware or round-robin"):
+        PrefixRouter(2, "random")
+
+
+def test_metrics_get_a_replica_label():
+    text = "# HELP a x\n# TYPE a counter\na_total{model_name=\"m\"} 3.0\nb 1\n"
+    assert relabel(text, 2, keep_meta=False) == ['a_total{replica="2",model_name="m"} 3.0', 'b{replica="2"} 1']
+    assert relabel(text, 0, keep_meta=True)[:2] == ["# HELP a x", "# TYPE a counter"]
+
+
+def _replicas(url: str) -> dict:
+    return httpx.get(f"{url}/replicas", timeout=30).json()
+
+
+def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(tiny_model_dirs, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", "serve", "--model", tiny_model_dirs["llama"],
+                             "--replicas", "2", "--port", str(port), "--kv-cache-memory", "1MiB", "--max-model-len",
+                             "256", "--served-model-name", "tiny"], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        end = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < end, "the replicas did not come up"
+            try:
+                if all("pid" in r for r in _replicas(url)["replicas"]):
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        groups = [[3 + g] * 40 for g in range(2)]  # two prefixes of 2 full blocks and more
+        where = {}
+        for i in range(6):
+            g = i % 2
+            raw = client.completions.with_raw_response.create(model="tiny", prompt=groups[g] + [100 + i], max_tokens=3)
+            where.setdefault(g, set()).add(raw.headers["x-kvcache-replica"])
+        assert all(len(v) == 1 for v in where.values())  # a prefix stays on its replica
+        streamed = client.completions.create(model="tiny", prompt=groups[0] + [9], max_tokens=4, stream=True)
+        assert len([c for c in streamed if c.choices and c.choices[0].text]) == 4
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert 'kvcache:prefix_cache_hits_total{replica="0"' in metrics and 'replica="1"' in metrics
+        assert "kvcache:router_prefix_hit_routed_total 5" in metrics  # all but each prefix's first request
+        before = _replicas(url)["replicas"]
+        os.kill(before[0]["pid"], signal.SIGKILL)
+        for i in range(4):  # requests to the killed replica are retried on the other one before streaming
+            out = client.completions.create(model="tiny", prompt=groups[i % 2] + [200 + i], max_tokens=2)
+            assert out.usage.completion_tokens == 2
+        end = time.monotonic() + 120
+        while True:  # Ray Serve restarts it
+            now = _replicas(url)["replicas"]
+            if "pid" in now[0] and now[0]["pid"] != before[0]["pid"]:
+                break
+            assert time.monotonic() < end, now
+            time.sleep(1)
+        out = client.completions.create(model="tiny", prompt=groups[0] + [300], max_tokens=2)
+        assert out.usage.completion_tokens == 2
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
