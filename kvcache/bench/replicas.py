@@ -8,7 +8,9 @@ read: the prefix-cache hit rate is the prompt tokens found cached over those loo
 table has hit rate, mean TTFT and output tok/s per policy and workload, and KV-aware's ratio to round-robin.
 
 Defaults (the issue's): 4 replicas; shared-prefix 16 system prompts x 8 users (prefix 256 words, each user 32 of its
-own), multi-turn 16 conversations of 4 turns sharing one system prompt; the demo model with 256 MiB of KV each.
+own) sent in a seeded random order, multi-turn 16 conversations of 4 turns sharing one system prompt; the demo model
+with a small pool each (128 MiB, 2,900 tokens: a replica holds a quarter of the system prompts beside its running
+requests, not all of them, which is what routing is for).
 """
 import argparse
 import os
@@ -27,8 +29,10 @@ from kvcache.bench.throughput import write_json
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--kv-cache-memory", default="256MiB", help="per replica")
+    p.add_argument("--kv-cache-memory", default="128MiB", help="per replica (the demo: 2,900 tokens; a quarter of the "
+                   "system prompts fits beside the running requests, all of them do not)")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--routing-balance", type=float, default=0.5, help="kv-aware's --routing-balance")
     p.add_argument("--groups", type=int, default=16, help="shared-prefix: system prompts")
     p.add_argument("--users", type=int, default=8, help="shared-prefix: requests per system prompt")
     p.add_argument("--prefix-len", type=int, default=256, help="words of each system prompt")
@@ -62,7 +66,7 @@ def _hits(url: str) -> tuple[float, float]:
 
 def _start(args, policy: str, port: int, log_path: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvcache.cli", "serve", "--replicas", str(args.replicas), "--routing", policy,
-           "--port", str(port), "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
+           "--routing-balance", str(args.routing_balance), "--port", str(port), "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -96,7 +100,8 @@ def _workload_args(args, name: str, url: str, out: str) -> list[str]:
               "--seed", str(args.seed), "--json", out]
     if name == "shared-prefix":
         return common + ["--workload", "shared-prefix", "--num-groups", str(args.groups), "--requests-per-group",
-                         str(args.users), "--prefix-len", str(args.prefix_len), "--suffix-len", str(args.suffix_len)]
+                         str(args.users), "--prefix-len", str(args.prefix_len), "--suffix-len", str(args.suffix_len),
+                         "--shuffle"]
     return common + ["--workload", "multi-turn", "--num-conversations", str(args.conversations), "--num-turns",
                      str(args.turns), "--prefix-len", str(args.prefix_len), "--suffix-len", str(args.suffix_len)]
 

@@ -110,15 +110,20 @@ def random_conversations(num_prompts: int, input_len: tuple[int, int], output_le
 
 
 def shared_prefix_conversations(groups: int, per_group: int, prefix_len: int, suffix_len: int, output_len: int,
-                                seed: int) -> list[Conversation]:
-    """G x R single requests, request i in group i % G: the group's `prefix_len` words then `suffix_len` of its own."""
+                                seed: int, shuffle: bool = False) -> list[Conversation]:
+    """G x R single requests, request i in group i % G: the group's `prefix_len` words then `suffix_len` of its own;
+    with `shuffle`, in a seeded random order instead (the groups interleaved as traffic would, not in a cycle that a
+    round-robin over a divisor of G would follow group by group)."""
     if min(groups, per_group, prefix_len, suffix_len) < 1:
         raise ValueError(f"--num-groups, --requests-per-group, --prefix-len and --suffix-len must be >= 1, got "
                          f"{groups}, {per_group}, {prefix_len}, {suffix_len}")
     rng = np.random.default_rng(seed)
     prefixes = [_words(rng, prefix_len) for _ in range(groups)]
-    return [Conversation("", [prefixes[i % groups] + " " + _words(rng, suffix_len)], [output_len])
-            for i in range(groups * per_group)]
+    convs = [Conversation("", [prefixes[i % groups] + " " + _words(rng, suffix_len)], [output_len])
+             for i in range(groups * per_group)]
+    if shuffle:
+        convs = [convs[i] for i in rng.permutation(len(convs))]
+    return convs
 
 
 def multi_turn_conversations(conversations: int, turns: int, prefix_len: int, suffix_len: int, output_len: int,
@@ -360,6 +365,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="shared-prefix: prefix words; multi-turn: system prompt words")
     p.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: words of each request's own suffix; "
                    "multi-turn: words of each user message")
+    p.add_argument("--shuffle", action="store_true", help="shared-prefix: send the requests in a seeded random order "
+                   "(default: request i of group i %% G, the groups in a cycle)")
     p.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations")
     p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (multi-turn: "
@@ -384,9 +391,9 @@ def _conversations(args: argparse.Namespace) -> tuple[list[Conversation], dict]:
         raise ValueError(f"--workload {args.workload} takes one --output-len, not a range; got {args.output_len!r}")
     if args.workload == "shared-prefix":
         convs = shared_prefix_conversations(args.num_groups, args.requests_per_group, args.prefix_len, args.suffix_len,
-                                            lo, args.seed)
+                                            lo, args.seed, args.shuffle)
         return convs, {"name": "shared-prefix", "groups": args.num_groups,
-                       "requests_per_group": args.requests_per_group,
+                       "requests_per_group": args.requests_per_group, "shuffle": args.shuffle,
                        "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "output_len": lo}
     convs = multi_turn_conversations(args.num_conversations, args.num_turns, args.prefix_len, args.suffix_len, lo,
                                      args.seed)

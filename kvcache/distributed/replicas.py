@@ -7,10 +7,9 @@ router.
 - The ingress (deployment `router`, Ray Serve's HTTP proxy on --host/--port) proxies each request to one replica,
   streaming included. `--routing kv-aware` (the default) keeps an approximate prefix index, as SGLang's router does:
   the prompt (token ids in blocks of 16, text in blocks of 64 characters, chat messages as their JSON) is hashed
-  block by block into a chain, each chain hash remembering the replica it was last sent to; a request goes to the
-  replica holding its longest indexed prefix unless that replica has more requests in flight than the least-loaded
-  one plus `--routing-balance` (then to the least-loaded one, ties broken by KV usage). `round-robin` is the
-  baseline. A replica with the shared Redis tier configured (--kv-remote) still loads a prefix it misses from the
+  block by block into a chain, each chain hash remembering the replicas it was sent to; a request goes to the
+  replica whose cost is least: the blocks it would prefill there plus `--routing-balance` x its requests in flight
+  x the mean request's blocks (PrefixRouter). `round-robin` is the baseline. A replica with the shared Redis tier configured (--kv-remote) still loads a prefix it misses from the
   tier, so a misrouted request costs a load, not a prefill.
 - GET /metrics merges every replica's metrics with a `replica` label, plus the router's own counters
   (`kvcache:router_requests_total{decision}`, `kvcache:router_prefix_hit_routed_total`,
@@ -58,23 +57,46 @@ def prefix_keys(body: dict) -> list[bytes]:
 
 
 class PrefixRouter:
-    """Which replica a request goes to (no I/O: the ingress keeps the in-flight counts and KV usage it reads)."""
+    """Which replica a request goes to (no I/O: the ingress keeps the in-flight counts and KV usage it reads).
 
-    def __init__(self, num_replicas: int, policy: str = "kv-aware", balance: int = 4) -> None:
+    KV-aware cost of replica r for a request of n blocks: the blocks r would prefill (those past the longest prefix
+    of the request r was sent before) plus `balance` x the requests r has in flight x the mean request's blocks (the
+    work queued ahead of it); the cheapest replica wins, ties to the least loaded. A request whose prefix one replica
+    holds stays there while it is not much busier; a prefix that every replica holds (a common system prompt) costs
+    nothing anywhere, so those requests spread by load."""
+
+    def __init__(self, num_replicas: int, policy: str = "kv-aware", balance: float = 0.5) -> None:
         if policy not in ("kv-aware", "round-robin"):
             raise ValueError(f"routing must be kv-aware or round-robin, got {policy!r}")
+        if not balance >= 0:
+            raise ValueError(f"routing balance must be >= 0, got {balance}")
         self.n, self.policy, self.balance = num_replicas, policy, balance
-        self.index: OrderedDict[bytes, int] = OrderedDict()
+        self.index: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> bit mask of the replicas sent it
         self.inflight = [0] * num_replicas
         self.kv_usage = [0.0] * num_replicas
         self.down_until = [0.0] * num_replicas
         self.next = 0
+        self.mean_blocks = 0.0  # of the requests routed so far (a running mean)
+        self.routed_requests = 0
         self.decisions = {"prefix": 0, "least_loaded": 0, "round_robin": 0}
 
     def up(self) -> list[int]:
         now = time.monotonic()
         live = [i for i in range(self.n) if self.down_until[i] <= now]
         return live or list(range(self.n))
+
+    def matched(self, keys: list[bytes]) -> list[int]:
+        """Per replica, the leading blocks of `keys` it was sent before."""
+        depth = [0] * self.n
+        open_ = (1 << self.n) - 1  # replicas still matching
+        for k in keys:
+            open_ &= self.index.get(k, 0)
+            if not open_:
+                break
+            for r in range(self.n):
+                if open_ >> r & 1:
+                    depth[r] += 1
+        return depth
 
     def choose(self, keys: list[bytes], exclude: set[int] = frozenset()) -> int:
         live = [i for i in self.up() if i not in exclude] or [i for i in range(self.n) if i not in exclude]
@@ -86,27 +108,23 @@ class PrefixRouter:
                 if i in live:
                     self.decisions["round_robin"] += 1
                     return i
-        least = min(live, key=lambda i: (self.inflight[i], self.kv_usage[i]))
-        best = None
-        for k in keys:  # the deepest indexed prefix on a live replica
-            r = self.index.get(k)
-            if r is None:
-                break
-            if r in live:
-                best = r
-        if best is not None and self.inflight[best] <= self.inflight[least] + self.balance:
-            self.decisions["prefix"] += 1
-            return best
-        self.decisions["least_loaded"] += 1
-        return least
+        depth = self.matched(keys)
+        weight = self.balance * max(self.mean_blocks, 1.0)
+        cost = {r: len(keys) - depth[r] + weight * self.inflight[r] for r in live}
+        best = min(live, key=lambda r: (cost[r], self.inflight[r], self.kv_usage[r]))
+        self.decisions["prefix" if depth[best] and depth[best] == max(depth[r] for r in live) else "least_loaded"] += 1
+        return best
 
     def routed(self, keys: list[bytes], replica: int) -> None:
         """Remember that `replica` now holds these prefixes."""
+        bit = 1 << replica
         for k in keys:
-            self.index[k] = replica
+            self.index[k] = self.index.get(k, 0) | bit
             self.index.move_to_end(k)
         while len(self.index) > INDEX_ENTRIES:
             self.index.popitem(last=False)
+        self.routed_requests += 1
+        self.mean_blocks += (len(keys) - self.mean_blocks) / self.routed_requests
 
 
 def relabel(text: str, replica: int, keep_meta: bool) -> list[str]:

@@ -34,9 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin"],
                    help="with --replicas: send a request to the replica holding its longest prefix (balanced against "
                         "requests in flight), or round-robin")
-    p.add_argument("--routing-balance", type=int, default=4,
-                   help="kv-aware: the prefix's replica may have this many more requests in flight than the "
-                        "least-loaded one before the request goes to the least-loaded one instead")
+    p.add_argument("--routing-balance", type=float, default=0.5,
+                   help="kv-aware: what a request in flight on a replica costs, in mean requests' prefill, against "
+                        "the blocks a request would prefill there (0: prefix only; larger: spread by load)")
 
 
 def model_name(path: str | None, given: str | None) -> str:

@@ -303,3 +303,14 @@ def test_unreachable_url_and_bad_flags_are_clear_errors(tmp_path):
                        (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0")):
         with pytest.raises(ValueError, match=msg):
             run(p.parse_args(flags))
+
+
+def test_shuffled_shared_prefix_requests_are_the_same_requests_in_another_order():
+    from kvcache.bench.serve import shared_prefix_conversations
+    plain = shared_prefix_conversations(4, 3, 8, 4, 5, seed=1)
+    mixed = shared_prefix_conversations(4, 3, 8, 4, 5, seed=1, shuffle=True)
+    key = lambda c: c.turns[0]  # noqa: E731
+    assert sorted(map(key, plain)) == sorted(map(key, mixed)) and list(map(key, plain)) != list(map(key, mixed))
+    # unshuffled, request i is in group i % G: a round-robin over 4 replicas would follow the groups exactly
+    prefixes = [key(c).rsplit(" ", 4)[0] for c in plain]
+    assert prefixes[:4] == prefixes[4:8]

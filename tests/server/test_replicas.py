@@ -18,7 +18,7 @@ from live_server import free_port
 
 
 def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
-    r = PrefixRouter(3, "kv-aware", balance=2)
+    r = PrefixRouter(3, "kv-aware", balance=0.5)
     a = prefix_keys({"model": "m", "prompt": list(range(40))})  # 3 blocks of 16 ids
     assert len(a) == 3
     first = r.choose(a)
@@ -26,13 +26,23 @@ def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
     longer = prefix_keys({"model": "m", "prompt": list(range(40)) + [7] * 20})
     assert longer[:2] == a[:2] and r.choose(longer) == first and r.decisions["prefix"] == 1
     assert prefix_keys({"model": "other", "prompt": list(range(40))})[0] != a[0]  # models never share
-    r.inflight[first] = 3  # the prefix's replica is 3 requests busier than the idle ones: beyond the balance
+    # 3 requests in flight there cost 0.5 x 3 x 3 blocks = 4.5 blocks of queued prefill, more than the 2 blocks the
+    # request would save: an idle replica takes it
+    r.inflight[first] = 3
     assert r.choose(longer) != first and r.decisions["least_loaded"] == 2
+    r.inflight[first] = 1  # 1.5 blocks queued against 2 saved: it stays
+    assert r.choose(longer) == first
     r.inflight[first] = 0
     r.down_until[first] = time.monotonic() + 60  # unreachable a moment ago: skipped
     assert r.choose(longer) != first
     text = prefix_keys({"model": "m", "messages": [{"role": "user", "content": "x" * 200}]})
     assert len(text) >= 3  # chat messages hash as their JSON, 64 characters a block
+    shared = PrefixRouter(2, "kv-aware")  # a prefix both replicas were sent (a common system prompt)
+    shared.routed(a, 0)
+    shared.routed(a, 1)
+    assert shared.matched(a) == [3, 3] and shared.matched(longer) == [2, 2]
+    shared.inflight[0] = 1
+    assert shared.choose(longer) == 1  # it costs the same everywhere: load decides
     rr = PrefixRouter(3, "round-robin")
     assert [rr.choose(a) for _ in range(4)] == [0, 1, 2, 0]
     with pytest.raises(ValueError, match="routing must be kv-aware or round-robin"):
