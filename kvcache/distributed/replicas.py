@@ -251,10 +251,19 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
                     continue
                 break
 
+            sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
             async def stream():
                 try:
                     async for chunk in upstream.aiter_raw():
                         yield chunk
+                except httpx.HTTPError as e:  # the replica went away mid-response
+                    log.warning("replica %d failed mid-response: %s", i, e)
+                    if sse:  # as the server reports a failed stream (vLLM's way): an error event, then [DONE]
+                        err = {"error": {"message": f"replica {i} failed while streaming this response ({e}); "
+                                                    "the request was not retried", "type": "server_error",
+                                         "code": "replica_failed"}}
+                        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
                 finally:
                     await upstream.aclose()
                     self.router.inflight[i] -= 1
