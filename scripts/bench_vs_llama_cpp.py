@@ -17,10 +17,11 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
-import time
+
+from kvcache.bench.serve import wait_until_serving
+from kvcache.distributed.host import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = {
@@ -30,31 +31,10 @@ WORKLOADS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    import httpx
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server at {url} was not ready after {timeout:.0f} s")
-
-
 def serve(cmd: list[str], url: str, log_path: str) -> subprocess.Popen:
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_ready(url, proc)
+    wait_until_serving(url, proc)
     return proc
 
 

@@ -61,3 +61,12 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, kv_cach
     preferred = "triton" if device.type == "cuda" else "cpu"
     why = checks[preferred]()
     return ("torch", f"auto: not {preferred}, as {why}") if why else (preferred, f"auto on {device.type}")
+
+
+def with_backend_write(store, backend: str):
+    """`store` writing its K/V the backend's way: on triton a per-token fp8/int8 store quantizes and scatters in one
+    kernel (triton_attention.write_quantized); otherwise as it is."""
+    if backend == "triton" and hasattr(store, "raw"):
+        from kvcache.attention.triton_attention import write_quantized
+        store.fused_write = write_quantized
+    return store

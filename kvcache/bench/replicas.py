@@ -19,11 +19,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 
+from kvcache.bench.serve import wait_until_serving
 from kvcache.bench.throughput import write_json
+from kvcache.distributed.host import free_port
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -46,13 +47,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default="results/replicas.json")
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _hits(url: str) -> tuple[float, float]:
     """(prompt tokens found cached, looked up), summed over the replicas."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
@@ -66,23 +60,22 @@ def _hits(url: str) -> tuple[float, float]:
 
 def _start(args, policy: str, port: int, log_path: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvcache.cli", "serve", "--replicas", str(args.replicas), "--routing", policy,
-           "--routing-balance", str(args.routing_balance), "--port", str(port), "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
+                  "--routing-balance", str(args.routing_balance), "--port", str(port), "--kv-cache-memory", args.kv_cache_memory,
+           "--max-model-len", str(args.max_model_len)]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 600
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvcache serve --replicas exited with {proc.returncode}; see {log_path}")
-        try:
-            r = httpx.get(f"{url}/replicas", timeout=5).json()
-            if all("pid" in x for x in r["replicas"]):
-                return proc
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"the replicas did not come up in 600 s; see {log_path}")
+    try:
+        wait_until_serving(f"http://127.0.0.1:{port}", proc, 600, "/replicas", every_replica_up)
+    except RuntimeError as e:
+        _stop(proc)
+        raise RuntimeError(f"kvcache serve --replicas: {e}; see {log_path}") from None
+    return proc
+
+
+def every_replica_up(response) -> bool:
+    """Whether a GET /replicas answer lists every replica with its process (all deployed)."""
+    return all("pid" in x for x in response.json()["replicas"])
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -118,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     results = {"replicas": args.replicas, "model": args.model or "demo", "workloads": {}}
     tmp = tempfile.mkdtemp(prefix="kvcache-bench-replicas-")
     for policy in ("kv-aware", "round-robin"):
-        port = _free_port()
+        port = free_port()
         proc = _start(args, policy, port, os.path.join(tmp, f"{policy}.log"))
         url = f"http://127.0.0.1:{port}"
         try:

@@ -345,6 +345,25 @@ def _per_request(r: RequestResult) -> dict:
             "content_chunks": len(r.chunk_times), "ttft_ms": ms(r.ttft), "e2el_ms": ms(r.latency) if r.ok else None}
 
 
+def wait_until_serving(url: str, proc, timeout: float = 300, path: str = "/health", ready=None) -> None:
+    """Poll GET url + path until `ready(response)` holds (default: status 200), for a server started as `proc` (a
+    Popen). RuntimeError if the process exits first or `timeout` seconds pass; a response `ready` cannot read (not
+    up yet, half up) counts as not ready."""
+    import httpx
+    ready = ready or (lambda r: r.status_code == 200)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            if ready(httpx.get(f"{url}{path}", timeout=5)):
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server at {url} was not ready after {timeout:.0f} s")
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `kvcache bench serve` (all of them; it needs no engine flags)."""
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (a trailing /v1 is fine)")

@@ -20,6 +20,7 @@ import time
 
 from kvcache.bench.throughput import write_json
 from kvcache.bench.workload import parse_range, random_workload
+from kvcache.distributed.host import usable_cores
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                                               parse_range(args.output_len), vocab, args.seed)}
         if args.single_stream:
             workloads["single stream"] = random_workload(args.single_stream, (64, 64), (128, 128), vocab, args.seed + 1)
-        results = {"model": args.model or "demo-sized random Llama (8 heads, 2 KV heads)", "cores": os.cpu_count(),
+        results = {"model": args.model or "demo-sized random Llama (8 heads, 2 KV heads)", "cores": usable_cores(),
                    "workloads": {}}
         for name, work in workloads.items():
             rows = []
@@ -109,7 +110,7 @@ def _print(results: dict) -> None:
           f"{'planner':>8} {'pool MiB/rank':>14} {'same tokens':>12}")
     for name, w in results["workloads"].items():
         for r in w["rows"]:
-            print(f"{name:<14} {r['tensor_parallel_size']:>3} {r['threads_per_rank'] or os.cpu_count():>12} "
+            print(f"{name:<14} {r['tensor_parallel_size']:>3} {r['threads_per_rank'] or results['cores']:>12} "
                   f"{r['output_tokens_per_s']:>10.1f} {r['speedup_vs_1']:>5.2f}x {r['kv_bytes_per_token_per_rank']:>16,} "
                   f"{r['planner_kv_bytes_per_token_per_gpu']:>8,} {r['kv_pool_bytes_per_rank'] / 2**20:>14.1f} "
                   f"{str(r['same_tokens_as_1']):>12}")

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import re
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +31,8 @@ from collections import OrderedDict
 import httpx
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvcache.distributed.host import free_port, usable_cores
 
 log = logging.getLogger("kvcache")
 TOKEN_BLOCK, CHAR_BLOCK = 16, 64
@@ -143,12 +144,6 @@ def relabel(text: str, replica: int, keep_meta: bool) -> list[str]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclasses.dataclass
 class ReplicaOptions:
     config: dict  # EngineConfig fields
@@ -175,7 +170,7 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
             torch.set_num_threads(options.threads)
             self.index = index
             self.app, self.loop = create(EngineConfig(**options.config), options.served_model_name, options.api_key)
-            self.port = _free_port()
+            self.port = free_port()
             self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                         log_level="warning"))
             self.thread = threading.Thread(target=self.server.run, name="kvcache-replica-http", daemon=True)
@@ -330,7 +325,7 @@ def serve_replicas(args, config) -> int:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if config.tensor_parallel_size > 1:
         raise ValueError("--replicas with --tensor-parallel-size is not supported yet: run one or the other")
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     from kvcache.server.serve import model_name
     options = ReplicaOptions(dataclasses.asdict(config), model_name(config.model, args.served_model_name),
                              args.api_key or None, max(1, cores // args.replicas))

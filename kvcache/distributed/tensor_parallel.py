@@ -25,18 +25,17 @@ import datetime
 import logging
 import os
 import json
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
+from kvcache.distributed.host import free_port, usable_cores
 from kvcache.models.weights import WeightSource
 from kvcache.plan.kv_bytes import heads_per_gpu
 
@@ -51,8 +50,6 @@ class RankDiedError(RuntimeError):
 
 def check_tensor_parallel(cfg, size: int, device: torch.device) -> None:
     """ValueError, with the numbers, for a tensor-parallel size this model or machine cannot take (before loading)."""
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
     if size == 1:
         return
     if cfg.model_type not in ARCHITECTURES:
@@ -68,7 +65,7 @@ def check_tensor_parallel(cfg, size: int, device: torch.device) -> None:
         if size > have:
             raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; torch sees {have}")
     else:
-        have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        have = usable_cores()
         if size > have:
             raise ValueError(f"tensor_parallel_size {size} needs a CPU core per rank; this process may use {have}")
 
@@ -255,15 +252,8 @@ def parallelize(model, shard: Shard) -> None:
 # ---- processes -----------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _threads_per_rank(size: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // size)
+    return max(1, usable_cores() // size)
 
 
 def _init(rank: int, size: int, init_method: str, device_type: str) -> None:
@@ -293,10 +283,16 @@ class WorkerSpec:
     dtype: str
     quantization: str
 
+    @classmethod
+    def of(cls, model: str, max_model_len: int, device: torch.device, dtype: torch.dtype,
+           quantization: str) -> WorkerSpec:
+        return cls(model, max_model_len, device.type, str(dtype).removeprefix("torch."), quantization)
+
 
 def worker_main(rank: int, size: int, init_method: str, spec: WorkerSpec) -> None:
     """A worker rank: build its model slice, then its store from rank 0's description, then one forward per message
     until told to stop (None). Any error ends the process: rank 0's next collective sees it."""
+    from kvcache.attention.backend import with_backend_write
     from kvcache.engine.model_runner import ModelRunner
     from kvcache.models.loader import read_checkpoint
     from kvcache.store.quantized_store import make_store
@@ -309,18 +305,14 @@ def worker_main(rank: int, size: int, init_method: str, spec: WorkerSpec) -> Non
     model = build_shard(read_checkpoint(spec.model), rank, size, spec.max_model_len, device, getattr(torch, spec.dtype),
                         spec.quantization)
     store_args, backend = _receive()
-    store = make_store(device=device, **store_args)
-    if backend == "triton" and hasattr(store, "raw"):
-        from kvcache.attention.triton_attention import write_quantized
-        store.fused_write = write_quantized
+    store = with_backend_write(make_store(device=device, **store_args), backend)
     runner = ModelRunner(model, store, None, device, backend)
     with torch.inference_mode():
         while (msg := _receive()) is not None:
             ops, specs, logit_rows = msg
             for name, args in ops:
                 getattr(store, name)(*args)
-            if specs is not None:
-                runner.forward_rows(specs, logit_rows)
+            runner.forward(specs, logit_rows)
     dist.destroy_process_group()
 
 
@@ -343,8 +335,7 @@ def serve_as_launched_worker(model_path: str, size: int, max_model_len: int, dev
     rank = launched_rank(size)
     if not rank:
         return
-    spec = WorkerSpec(model_path, max_model_len, device.type, str(dtype).removeprefix("torch."), quantization)
-    worker_main(rank, size, "env://", spec)
+    worker_main(rank, size, "env://", WorkerSpec.of(model_path, max_model_len, device, dtype, quantization))
     raise SystemExit(0)
 
 
@@ -375,24 +366,21 @@ class TensorParallel:
         self.pending: list[tuple[str, tuple]] = []  # store operations the workers have yet to apply
         self.procs, self.logs = [], []
         if launched_rank(size) == 0:  # torchrun started every rank (on this node or others): join them
-            self._finalizer = None
             self._join("env://")
             TensorParallel._open.append(self)
             log.info("tensor parallelism: %d ranks (%s) started by the launcher (MASTER_ADDR %s)", size,
                      "NCCL" if device.type == "cuda" else "gloo", os.environ.get("MASTER_ADDR", "?"))
             return
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        spec = WorkerSpec(model_path, max_model_len, device.type, str(dtype).removeprefix("torch."), quantization)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        spec = WorkerSpec.of(model_path, max_model_len, device, dtype, quantization)
         self.log_dir = tempfile.mkdtemp(prefix="kvcache-tp-")
         self.logs = [os.path.join(self.log_dir, f"rank{r}.log") for r in range(1, size)]
-        self.procs = []
         for r, path in enumerate(self.logs, 1):
             with open(path, "w") as out:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "kvcache.distributed.tensor_parallel", str(r), str(size), init_method,
                      json.dumps(dataclasses.asdict(spec))], stdout=out, stderr=subprocess.STDOUT,
                     env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-        self._finalizer = weakref.finalize(self, TensorParallel._stop_procs, self.procs)
         torch.set_num_threads(self.threads)
         self._join(init_method)
         TensorParallel._open.append(self)
@@ -481,11 +469,7 @@ class TensorParallel:
             dist.destroy_process_group()
 
     def _kill(self) -> None:
-        TensorParallel._stop_procs(self.procs)
-
-    @staticmethod
-    def _stop_procs(procs) -> None:
-        for p in procs:
+        for p in self.procs:
             if p.poll() is None:
                 p.kill()
             try:

@@ -134,13 +134,13 @@ class DecodeGraphs:
             batch.layer_batches = [per_group[g] for g in self.layer_group]
         return batch
 
-    def _pad(self, start: int, stop: int) -> None:
-        """Rows [start, stop) as padding: token 0 at position 0, one token attended, K/V written to the null slot."""
-        self.ids[start:stop] = 0
-        self.positions[start:stop] = 0
-        self.lens[start:stop] = 1
+    def _pad(self) -> None:
+        """Every row as padding: token 0 at position 0, one token attended, K/V written to the null slot."""
+        self.ids.zero_()
+        self.positions.zero_()
+        self.lens.fill_(1)
         for slots in self.slots:
-            slots[start:stop] = 0
+            slots.zero_()
 
     def _step(self, b: int) -> Callable[[], None]:
         batch = self._batch(b)
@@ -178,7 +178,7 @@ class DecodeGraphs:
         t = time.perf_counter()
         with torch.inference_mode():
             for b in sorted(sizes or self.sizes, reverse=True):
-                self._pad(0, self.sizes[-1])
+                self._pad()
                 step = self._step(b)
                 self._warm_up(step)
                 self.graphs[b] = self._record(step)
@@ -197,7 +197,7 @@ class DecodeGraphs:
                 continue
             bs = self.store.block_size
             with torch.inference_mode():
-                self._pad(0, self.sizes[-1])
+                self._pad()
                 n = torch.arange(1, b + 1, device=self.device)
                 self.ids[:b] = n % self.logits.shape[1]
                 for i, (slots, table) in enumerate(zip(self.slots, self.tables)):
@@ -214,7 +214,7 @@ class DecodeGraphs:
                     return f"the graph of batch size {b} gave logits {diff:.3g} away from an eager forward"
                 for table in self.tables:
                     table[:b, 0] = 0
-        self._pad(0, self.sizes[-1])
+        self._pad()
         return None
 
     # ---- replay --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.attention.backend import resolve_backend
+from kvcache.attention.backend import resolve_backend, with_backend_write
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
 from kvcache.distributed.tensor_parallel import (MirroredStore, RankDiedError, TensorParallel, build_shard,
@@ -140,18 +140,13 @@ class LLMEngine:
         self.kv_events = KVEventLog(config.block_size) if config.kv_events_endpoint else None
         self.event_publisher = ZmqEventPublisher(self.kv_events, config.kv_events_endpoint, config.kv_events_topic) \
             if self.kv_events else None  # before the model loads too: an endpoint in use is refused first
-        self.tp = None
-        if tp_size > 1:  # the workers load their slices while this rank loads its own
+        if tp_size > 1:  # the workers load their slices while this rank loads its own (__init__ closes them on failure)
             serve_as_launched_worker(loaded.source, tp_size, self.max_model_len, self.device, self.dtype,
                                      config.quantization)  # torchrun's ranks > 0 work here, then exit
             self.tp = TensorParallel(loaded.source, tp_size, self.max_model_len, self.device, self.dtype,
                                      config.quantization)
-            try:
-                self.model = build_shard(loaded, 0, tp_size, self.max_model_len, self.device, self.dtype,
-                                         config.quantization)
-            except BaseException:
-                self.tp.close()
-                raise
+            self.model = build_shard(loaded, 0, tp_size, self.max_model_len, self.device, self.dtype,
+                                     config.quantization)
         else:
             self.model = build_model(loaded, self.max_model_len, self.device, self.dtype, config.quantization)
         self.drafter = None if draft is None else DraftProposer(
@@ -236,13 +231,9 @@ class LLMEngine:
         kw = dict(num_layers=layers, num_blocks=num_blocks, block_size=self.config.block_size, num_kv_heads=kv_heads,
                   head_dim=head_dim, kv_cache_dtype=self.kv_dtype, compute_dtype=self.dtype,
                   expected_bytes_per_token=bytes_per_token, latent=latent, layer_slots=slots)
-        store = make_store(device=self.device, **kw)
         if self.tp is not None and bytes_per_token is not None:  # the pool's store: the workers build theirs alike
             self.tp.send_store(kw, self.backend)
-        if self.backend == "triton" and hasattr(store, "raw"):
-            from kvcache.attention.triton_attention import write_quantized
-            store.fused_write = write_quantized
-        return store
+        return with_backend_write(make_store(device=self.device, **kw), self.backend)
 
     def peak_blocks(self, tokens: int) -> int:
         """The most blocks a sequence of `tokens` tokens holds at once: all of them, or where out-of-window blocks

@@ -66,18 +66,15 @@ class ModelRunner:
                 sampled.append(seq)
         return sampled, self._forward(specs), specs
 
-    def forward(self, specs: list[SeqChunk]) -> torch.Tensor:
-        """Run chunks whose blocks are allocated; fp32 logits of each chunk's last num_logits rows, in order."""
-        return self._forward(specs)
+    def forward(self, specs: list[SeqChunk], logit_rows: range | None = None) -> torch.Tensor:
+        """Run chunks whose blocks are allocated; fp32 logits of each chunk's last num_logits rows, in order, or of
+        `logit_rows` (batch rows). A tensor-parallel worker runs rank 0's forwards so: it has no manager, the chunks
+        carry the tables."""
+        return self._forward(specs, logit_rows)
 
     def run_chunk(self, chunk: SeqChunk, logit_rows: range) -> torch.Tensor:
         """Run one chunk of a sequence whose blocks are allocated; fp32 logits of `logit_rows` (chunk rows)."""
         return self._forward([chunk], logit_rows)
-
-    def forward_rows(self, specs: list[SeqChunk], logit_rows: range | None) -> torch.Tensor:
-        """A forward as rank 0 asked for it (a tensor-parallel worker: it has no manager; the chunks carry the
-        tables)."""
-        return self._forward(specs, logit_rows)
 
     def _batch(self, specs: list[SeqChunk], kv: KVCacheManager | None, tables: DeviceBlockTables,
                windows: tuple[int | None, ...]) -> ForwardBatch:

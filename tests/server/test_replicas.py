@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from kvcache.bench.replicas import every_replica_up
+from kvcache.bench.serve import wait_until_serving
 from kvcache.distributed.replicas import PrefixRouter, prefix_keys, relabel
 
 from live_server import free_port
@@ -68,16 +70,7 @@ def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(
                              "256", "--served-model-name", "tiny"], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        end = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < end, "the replicas did not come up"
-            try:
-                if all("pid" in r for r in _replicas(url)["replicas"]):
-                    break
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(1)
+        wait_until_serving(url, proc, 180, "/replicas", every_replica_up)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         groups = [[3 + g] * 40 for g in range(2)]  # two prefixes of 2 full blocks and more
         where = {}

@@ -7,29 +7,15 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 
 from kvcache import LLM, SamplingParams
+from kvcache.bench.serve import wait_until_serving
 from kvcache.server.serve import ENGINE_DEAD_STATUS
 
 from live_server import free_port
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("the server did not become healthy")
 
 
 def test_a_two_rank_server_serves_one_ranks_tokens_and_exits_when_a_rank_dies(tiny_model_dirs, tmp_path):
@@ -42,7 +28,7 @@ def test_a_two_rank_server_serves_one_ranks_tokens_and_exits_when_a_rank_dies(ti
                                  "--served-model-name", "tiny"], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc)
+        wait_until_serving(url, proc, 120)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         prompt = [5, 17, 42, 99, 123, 7, 8]
         got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
