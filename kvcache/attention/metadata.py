@@ -52,6 +52,9 @@ class DecodeGroup:
     full: tuple[torch.Tensor, torch.Tensor] | None = None
     # Eviction with per-layer live ranges: per layer, (block table, context lengths) that skip dead leading blocks
     layer_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # The decode kernel: runs[b] rows from row b on are one sequence's consecutive positions (a speculating
+    # sequence's verification rows), 0 inside a run, attended together; None: no run of more than one row
+    runs: torch.Tensor | None = None
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block table and context lengths of this group in `layer`."""
@@ -193,8 +196,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
     pos: list[int] = []
     slots: list[int] = []
     logit_rows: list[int] = []
-    # (row, context_len, table, full src rows, layer starts, row in `tables`)
-    decodes: list[tuple[int, int, list[int], list[int], list[int] | None, int | None]] = []
+    # (row, context_len, table, full src rows, layer starts, row in `tables`, rows of the run it starts or 0)
+    decodes: list[tuple[int, int, list[int], list[int], list[int] | None, int | None, int]] = []
     capture: list[int] = []
     pre: list[tuple[SeqChunk, int, int, list[int], int | None]] = []  # (chunk, row, context_len, full, table row)
     kb = _KiviBuilder(kivi, block_size, sum(len(c.token_ids) for c in chunks)) if kivi else None
@@ -210,7 +213,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         full = kb.add(c, row) if kb else []
         t_row = table_rows[i] if tables is not None else None
         if (n == 1 or c.as_decodes) and c.start > 0:
-            decodes.extend((row + j, c.start + j + 1, c.block_table, full, c.layer_start, t_row) for j in range(n))
+            decodes.extend((row + j, c.start + j + 1, c.block_table, full, c.layer_start, t_row, 0 if j else n)
+                           for j in range(n))
         else:
             pre.append((c, row, c.start + n, full, t_row))
     if not decode_kernel:  # padded groups gather sequences of similar length together; a kernel needs no order
@@ -234,6 +238,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
             parts.append([m[5] for m in members])
         else:
             parts.append([b for m in members for b in m[2][:nb] + [0] * (nb - len(m[2][:nb]))])
+        if decode_kernel and not kb and any(m[6] > 1 for m in members):
+            parts.append([m[6] for m in members])
         if kb and decode_kernel:
             width = max(len(m[3]) for m in members)
             parts.append([r for m in members for r in m[3] + [0] * (width - len(m[3]))])
@@ -257,7 +263,9 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         k_pos = torch.arange(nb * block_size, device=device)[None, :]
         dmasks = {w: _window_ok(ctx[:, None] - 1, k_pos, w)[:, None, None, :] for w in windows} \
             if not decode_kernel else {}
-        overlay = full = None
+        overlay = full = runs = None
+        if decode_kernel and not kb and any(m[6] > 1 for m in members):
+            runs = next(up)
         if kb and decode_kernel:
             full = (next(up).view(len(members), max(len(m[3]) for m in members)), next(up))
         elif kb:
@@ -266,7 +274,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         if any(m[4] for m in members):
             padded = [m[2][:nb] + [0] * (nb - len(m[2][:nb])) for m in members]
             views = _layer_views(members, padded, block_size, device)
-        groups.append(DecodeGroup(rows_t, table, ctx, dmasks, overlay, full, views))
+        groups.append(DecodeGroup(rows_t, table, ctx, dmasks, overlay, full, views, runs))
 
     prefills: list[PrefillSpan] = []
     for c, row, ctx, full, t_row in pre:

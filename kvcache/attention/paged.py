@@ -74,10 +74,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
             o = out if whole else ws.get("decode_out", (g.rows.numel(), H, D), q)
             qg = q.contiguous() if whole else q.index_select(0, g.rows)
             if store.exact:
-                cpu_kernel.paged_decode(o, qg, store.k[layer], store.v[layer], table, lens, scale, window, softcap)
+                cpu_kernel.paged_decode(o, qg, store.k[layer], store.v[layer], table, lens, scale, window, softcap,
+                                        g.runs)
             else:
                 full = (src, *g.full) if g.full is not None else None
-                cpu_kernel.paged_decode_quant(o, qg, store, layer, table, lens, scale, window, full, softcap)
+                cpu_kernel.paged_decode_quant(o, qg, store, layer, table, lens, scale, window, full, softcap, g.runs)
             if not whole:
                 out.index_copy_(0, g.rows, o)
             continue

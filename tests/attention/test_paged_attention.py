@@ -110,12 +110,46 @@ def test_paged_attention_matches_reference(seqs, block_size, heads, head_dim, wi
        heads=head_configs,
        head_dim=st.sampled_from([8, 16, 64]),
        window=st.one_of(st.none(), st.integers(1, 30)),
-       seed=st.integers(0, 2**16), softcap=st.sampled_from([None, None, 0.5, 3.0]))
-def test_cpu_kernel_matches_reference(seqs, block_size, heads, head_dim, window, seed, softcap):
+       seed=st.integers(0, 2**16), softcap=st.sampled_from([None, None, 0.5, 3.0]),
+       split=st.sampled_from([1, 3, 16, cpu_kernel.SPLIT_TOKENS]))
+def test_cpu_kernel_matches_reference(seqs, block_size, heads, head_dim, window, seed, softcap, split):
     """The C++ decode kernel reads blocks straight from the store: same answers, no padding; soft-capped scores
-    (Gemma-2) too."""
+    (Gemma-2) too; contexts cut into splits of `split` tokens (whole blocks) and combined."""
     assert cpu_kernel.load() is not None, "the C++ CPU attention kernel failed to build on this machine"
-    _check_case(seqs, block_size, heads, head_dim, window, seed, kernel=True, softcap=softcap)
+    saved, cpu_kernel.SPLIT_TOKENS = cpu_kernel.SPLIT_TOKENS, split
+    try:
+        _check_case(seqs, block_size, heads, head_dim, window, seed, kernel=True, softcap=softcap)
+    finally:
+        cpu_kernel.SPLIT_TOKENS = saved
+
+
+def test_cpu_kernel_row_does_not_depend_on_its_batch():
+    """A row's output is bit for bit the same decoded alone or among other sequences of other lengths: its splits
+    follow its own length, so batching (or speculative verification rows) cannot change a greedy token."""
+    assert cpu_kernel.load() is not None
+    g = torch.Generator().manual_seed(3)
+    bs, kvh, heads, d = 16, 2, 6, 64
+    lens = [700, 1, 129, 300, 17]
+    nb = [-(-n // bs) for n in lens]
+    k = torch.randn(sum(nb) + 1, bs, kvh, d, generator=g)
+    v = torch.randn(sum(nb) + 1, bs, kvh, d, generator=g)
+    tables = torch.zeros(len(lens), max(nb), dtype=torch.int64)
+    at = 1
+    for i, n in enumerate(nb):
+        tables[i, :n] = torch.arange(at, at + n)
+        at += n
+    q = torch.randn(len(lens), heads, d, generator=g)
+    together = torch.empty_like(q)
+    cpu_kernel.paged_decode(together, q, k, v, tables, torch.tensor(lens), 0.125, None)
+    for i, n in enumerate(lens):
+        alone = torch.empty(1, heads, d)
+        cpu_kernel.paged_decode(alone, q[i:i + 1].contiguous(), k, v, tables[i:i + 1].contiguous(),
+                                torch.tensor([n]), 0.125, None)
+        assert torch.equal(alone[0], together[i]), f"row {i} ({n} tokens) changed with its batch"
+    ref = torch.softmax(torch.einsum("hd,thd->ht", q[0], k[tables[0, :nb[0]]].flatten(0, 1)[:700]
+                                     .repeat_interleave(heads // kvh, 1)) * 0.125, -1)
+    out = torch.einsum("ht,thd->hd", ref, v[tables[0, :nb[0]]].flatten(0, 1)[:700].repeat_interleave(heads // kvh, 1))
+    torch.testing.assert_close(together[0], out, atol=1e-5, rtol=1e-5)
 
 
 def _check_case(seqs, block_size, heads, head_dim, window, seed, kernel, softcap=None):
@@ -196,3 +230,47 @@ def test_slot_mapping_follows_block_table():
     assert batch.positions.tolist() == [5, 6, 7, 2]
     assert batch.input_ids.tolist() == [1, 2, 3, 4]
     assert batch.logits_indices.tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("split", [cpu_kernel.SPLIT_TOKENS, 16])
+def test_cpu_kernel_runs_of_one_sequence_equal_rows_alone(split):
+    """Verification rows of one sequence (SeqChunk.as_decodes: consecutive positions, one block table) are attended
+    as a run that reads each block once: each row's output is bit for bit what it is alone, runs that cross a block
+    or a split edge included, next to plain decode rows."""
+    assert cpu_kernel.load() is not None
+    g = torch.Generator().manual_seed(5)
+    bs, kvh, heads, d = 16, 3, 9, 64
+    # (cached tokens, rows): runs ending past a block edge (126 + 5), a split edge (254 + 5 with 128-token splits)
+    seqs = [(126, 5), (40, 1), (254, 5), (7, 3), (300, 1)]
+    tables, at = [], 1
+    for c, n in seqs:
+        nb = -(-(c + n) // bs)
+        tables.append(list(range(at, at + nb)))
+        at += nb
+    k = torch.randn(at, bs, kvh, d, generator=g)
+    v = torch.randn(at, bs, kvh, d, generator=g)
+    chunks = [SeqChunk([1] * n, c, t, as_decodes=n > 1, num_logits=n) for (c, n), t in zip(seqs, tables)]
+    batch = build_batch(chunks, bs, decode_kernel=True)
+    (group,) = batch.decode_groups
+    assert group.runs.tolist() == [5, 0, 0, 0, 0, 1, 5, 0, 0, 0, 0, 3, 0, 0, 1]
+    T = sum(n for _, n in seqs)
+    q = torch.randn(T, heads, d, generator=g)
+    saved, cpu_kernel.SPLIT_TOKENS = cpu_kernel.SPLIT_TOKENS, split
+    try:
+        together = torch.empty_like(q)
+        cpu_kernel.paged_decode(together, q, k, v, group.block_table, group.context_lens, 0.125, None,
+                                runs=group.runs)
+        alone = torch.empty_like(q)
+        cpu_kernel.paged_decode(alone, q, k, v, group.block_table, group.context_lens, 0.125, None)
+    finally:
+        cpu_kernel.SPLIT_TOKENS = saved
+    assert torch.equal(together, alone)
+    row = 0
+    for (c, n), t in zip(seqs, tables):
+        keys = k[t].flatten(0, 1).repeat_interleave(heads // kvh, 1)
+        vals = v[t].flatten(0, 1).repeat_interleave(heads // kvh, 1)
+        for j in range(n):
+            L = c + j + 1
+            p = torch.softmax(torch.einsum("hd,thd->ht", q[row], keys[:L]) * 0.125, -1)
+            torch.testing.assert_close(together[row], torch.einsum("ht,thd->hd", p, vals[:L]), atol=1e-5, rtol=1e-5)
+            row += 1
