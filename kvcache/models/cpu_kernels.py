@@ -165,12 +165,13 @@ struct Int4Call {
   const uint8_t* wp;
   const uint16_t *dp, *mp;
   float* op;
-  Int4Call(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m, Quantize quantize)
+  Int4Call(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m, Quantize quantize,
+           int bits = 4)
       : M(x.size(0)), K(x.size(1)), N(out.size(1)), NB(qw.size(0)), G(K / 32) {
     TORCH_CHECK(K % 64 == 0 && x.is_contiguous() && out.is_contiguous() && out.size(0) == M && qw.is_contiguous() &&
-                qw.size(1) == K / 8 && qw.size(2) == 64 && NB * 16 >= N && NB * 16 < N + 16 && d.is_contiguous() &&
+                qw.size(1) == K * bits / 32 && qw.size(2) == 64 && NB * 16 >= N && NB * 16 < N + 16 && d.is_contiguous() &&
                 m.is_contiguous() && d.size(0) == NB && d.size(1) == G && d.size(2) == 16 && m.sizes() == d.sizes(),
-                "int4_linear: bad shapes or strides");
+                bits == 4 ? "int4_linear: bad shapes or strides" : "q8_linear: bad shapes or strides");
     const float* xp = x.data_ptr<float>();
     qa.resize(M * K);
     da.resize(M * G);
@@ -221,7 +222,9 @@ static void quantize_activation(const float* x, int64_t K, int8_t* qa, float* da
 // scales and minima are [blocks, groups, 16] float16, one 32-byte load per block and group.
 // Each output element sums its groups in order, fma(sum_g, d * da, acc) then fma(m, sa, acc), whatever the number
 // of rows, the tile or the thread: every batch size computes the same float result.
-template <int T>
+// BITS 8 (q8_linear): the same with one byte per code (0..255, quant_linear.pack_q8): a line holds 4 inputs of the
+// 16 rows, 8 lines a group, one vpdpbusd each.
+template <int T, int BITS = 4>
 static inline void int4_tile(const uint8_t* wb, const uint16_t* db, const uint16_t* mb, int64_t G, const int8_t* qa,
                              const float* da, const float* sa, int64_t K, float* out, int64_t ldo, __mmask16 rows) {
   const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -232,17 +235,28 @@ static inline void int4_tile(const uint8_t* wb, const uint16_t* db, const uint16
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mb + g * 16)));
     __m512i sum[T];
     for (int t = 0; t < T; ++t) sum[t] = _mm512_setzero_si512();
-    const uint8_t* lines = wb + g * 4 * 64;
-    _mm_prefetch((const char*)(lines + 8 * 64), _MM_HINT_T0);
-    _mm_prefetch((const char*)(lines + 12 * 64), _MM_HINT_T0);
+    if constexpr (BITS == 4) {
+      const uint8_t* lines = wb + g * 4 * 64;
+      _mm_prefetch((const char*)(lines + 8 * 64), _MM_HINT_T0);
+      _mm_prefetch((const char*)(lines + 12 * 64), _MM_HINT_T0);
 #pragma GCC unroll 4
-    for (int o = 0; o < 4; ++o) {
-      const __m512i v = _mm512_loadu_si512((const void*)(lines + o * 64));
-      const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      for (int t = 0; t < T; ++t) {
-        const int32_t* a = (const int32_t*)(qa + t * K + g * 32 + o * 8);
-        sum[t] = _mm512_dpbusd_epi32(sum[t], lo, _mm512_set1_epi32(a[0]));
-        sum[t] = _mm512_dpbusd_epi32(sum[t], hi, _mm512_set1_epi32(a[1]));
+      for (int o = 0; o < 4; ++o) {
+        const __m512i v = _mm512_loadu_si512((const void*)(lines + o * 64));
+        const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        for (int t = 0; t < T; ++t) {
+          const int32_t* a = (const int32_t*)(qa + t * K + g * 32 + o * 8);
+          sum[t] = _mm512_dpbusd_epi32(sum[t], lo, _mm512_set1_epi32(a[0]));
+          sum[t] = _mm512_dpbusd_epi32(sum[t], hi, _mm512_set1_epi32(a[1]));
+        }
+      }
+    } else {
+      const uint8_t* lines = wb + g * 8 * 64;
+      for (int o = 16; o < 24; o += 2) _mm_prefetch((const char*)(lines + o * 64), _MM_HINT_T0);
+#pragma GCC unroll 8
+      for (int o = 0; o < 8; ++o) {
+        const __m512i v = _mm512_loadu_si512((const void*)(lines + o * 64));
+        for (int t = 0; t < T; ++t)
+          sum[t] = _mm512_dpbusd_epi32(sum[t], v, _mm512_set1_epi32(*(const int32_t*)(qa + t * K + g * 32 + o * 4)));
       }
     }
     for (int t = 0; t < T; ++t) {
@@ -257,8 +271,10 @@ static inline void int4_tile(const uint8_t* wb, const uint16_t* db, const uint16
 // out [M, N] fp32 = x [M, K] against 4-bit weights qw [ceil(N/16), K/8, 64] (uint8, the layout above), d and m
 // [ceil(N/16), K/32, 16] (float16); K % 64 == 0. Blocks of 16 output rows are split across torch's threads; each
 // thread runs its blocks against 8 activation rows at a time, the block's weights staying in L1 between them.
-void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
-  const Int4Call c(out, x, qw, d, m, quantize_activation);
+// BITS 8: q8_linear, qw [ceil(N/16), K/4, 64].
+template <int BITS>
+static void grouped_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
+  const Int4Call c(out, x, qw, d, m, quantize_activation, BITS);
   const int64_t M = c.M, K = c.K, N = c.N, NB = c.NB, G = c.G;
   const std::vector<int8_t>& qa = c.qa;
   const std::vector<float>&da = c.da, &sa = c.sa;
@@ -267,30 +283,36 @@ void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Te
   float* op = c.op;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* wb = wp + b * (K / 8) * 64;
+      const uint8_t* wb = wp + b * (K * BITS / 32) * 64;
       const uint16_t* db = dp + b * G * 16;
       const uint16_t* mb = mp + b * G * 16;
       const int64_t n0 = b * 16;
       const __mmask16 rows = N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
       int64_t t = 0;
       for (; t + 8 <= M; t += 8)
-        int4_tile<8>(wb, db, mb, G, qa.data() + t * K, da.data() + t * G, sa.data() + t * G, K, op + t * N + n0, N, rows);
+        int4_tile<8, BITS>(wb, db, mb, G, qa.data() + t * K, da.data() + t * G, sa.data() + t * G, K, op + t * N + n0, N, rows);
       const int64_t left = M - t;
       const int8_t* a = qa.data() + t * K;
       const float *dt = da.data() + t * G, *st = sa.data() + t * G;
       float* o = op + t * N + n0;
       switch (left) {
-        case 7: int4_tile<7>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
-        case 6: int4_tile<6>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
-        case 5: int4_tile<5>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
-        case 4: int4_tile<4>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
-        case 3: int4_tile<3>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
-        case 2: int4_tile<2>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
-        case 1: int4_tile<1>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 7: int4_tile<7, BITS>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 6: int4_tile<6, BITS>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 5: int4_tile<5, BITS>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 4: int4_tile<4, BITS>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 3: int4_tile<3, BITS>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 2: int4_tile<2, BITS>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
+        case 1: int4_tile<1, BITS>(wb, db, mb, G, a, dt, st, K, o, N, rows); break;
         default: break;
       }
     }
   });
+}
+void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
+  grouped_linear<4>(out, x, qw, d, m);
+}
+void q8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
+  grouped_linear<8>(out, x, qw, d, m);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 bool has_int4() { return true; }
@@ -344,7 +366,9 @@ static void quantize_activation(const float* x, int64_t K, int8_t* qa, float* da
 // T activation rows against half h of a block (its rows 8h..8h+7: bytes 32h..32h+31 of each 64-byte line, scales and
 // minima 8h..8h+7 of each group), `rows` of them stored (1..8). Up to 4 rows a tile: T float sums and T int16 sums
 // stay in the 16 ymm registers.
-template <int T>
+// BITS 8: one byte per code, 8 lines a group; a code is split into its nibbles, each multiplied as the 4-bit codes
+// are (no int16 overflow: a group's 8 pairs per lane), and sum = lo + 16 hi in int32: VNNI's integer sums exactly.
+template <int T, int BITS = 4>
 static inline void int4_tile(const uint8_t* wb, const uint16_t* db, const uint16_t* mb, int64_t G, const int8_t* qa,
                              const float* da, const float* sa, int64_t K, float* out, int64_t ldo, int h, int rows) {
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -353,24 +377,41 @@ static inline void int4_tile(const uint8_t* wb, const uint16_t* db, const uint16
   for (int64_t g = 0; g < G; ++g) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(db + g * 16 + 8 * h)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mb + g * 16 + 8 * h)));
-    __m256i sum[T];
-    for (int t = 0; t < T; ++t) sum[t] = _mm256_setzero_si256();
-    const uint8_t* lines = wb + g * 4 * 64 + 32 * h;
-    _mm_prefetch((const char*)(lines + 8 * 64), _MM_HINT_T0);
-    _mm_prefetch((const char*)(lines + 12 * 64), _MM_HINT_T0);
+    __m256i sum[T], sum_hi[T];
+    for (int t = 0; t < T; ++t) sum[t] = sum_hi[t] = _mm256_setzero_si256();
+    if constexpr (BITS == 4) {
+      const uint8_t* lines = wb + g * 4 * 64 + 32 * h;
+      _mm_prefetch((const char*)(lines + 8 * 64), _MM_HINT_T0);
+      _mm_prefetch((const char*)(lines + 12 * 64), _MM_HINT_T0);
 #pragma GCC unroll 4
-    for (int o = 0; o < 4; ++o) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(lines + o * 64));
-      const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-      for (int t = 0; t < T; ++t) {
-        const int32_t* a = (const int32_t*)(qa + t * K + g * 32 + o * 8);
-        sum[t] = _mm256_add_epi16(sum[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[0])),
-                                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[1]))));
+      for (int o = 0; o < 4; ++o) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(lines + o * 64));
+        const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        for (int t = 0; t < T; ++t) {
+          const int32_t* a = (const int32_t*)(qa + t * K + g * 32 + o * 8);
+          sum[t] = _mm256_add_epi16(sum[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[0])),
+                                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[1]))));
+        }
+      }
+    } else {
+      const uint8_t* lines = wb + g * 8 * 64 + 32 * h;
+      for (int o = 16; o < 24; o += 2) _mm_prefetch((const char*)(lines + o * 64), _MM_HINT_T0);
+#pragma GCC unroll 8
+      for (int o = 0; o < 8; ++o) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(lines + o * 64));
+        const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        for (int t = 0; t < T; ++t) {
+          const __m256i a = _mm256_set1_epi32(*(const int32_t*)(qa + t * K + g * 32 + o * 4));
+          sum[t] = _mm256_add_epi16(sum[t], _mm256_maddubs_epi16(lo, a));
+          sum_hi[t] = _mm256_add_epi16(sum_hi[t], _mm256_maddubs_epi16(hi, a));
+        }
       }
     }
     for (int t = 0; t < T; ++t) {
       const int64_t i = t * G + g;
-      const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[t], ones));
+      __m256i total = _mm256_madd_epi16(sum[t], ones);
+      if constexpr (BITS == 8) total = _mm256_add_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(sum_hi[t], ones), 4));
+      const __m256 s = _mm256_cvtepi32_ps(total);
       acc[t] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(da[i])), acc[t]);
       acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[i]), acc[t]);
     }
@@ -382,8 +423,9 @@ static inline void int4_tile(const uint8_t* wb, const uint16_t* db, const uint16
 // out [M, N] fp32 = x [M, K] against 4-bit weights qw [ceil(N/16), K/8, 64], d and m [ceil(N/16), K/32, 16], as the
 // VNNI int4_linear. Blocks of 16 output rows are split across torch's threads; each runs a block's two halves (a
 // half past N skipped) against 4 activation rows at a time, the block's weights staying in L1 between them.
-void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
-  const Int4Call c(out, x, qw, d, m, quantize_activation);
+template <int BITS>
+static void grouped_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
+  const Int4Call c(out, x, qw, d, m, quantize_activation, BITS);
   const int64_t M = c.M, K = c.K, N = c.N, NB = c.NB, G = c.G;
   const std::vector<int8_t>& qa = c.qa;
   const std::vector<float>&da = c.da, &sa = c.sa;
@@ -392,7 +434,7 @@ void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Te
   float* op = c.op;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* wb = wp + b * (K / 8) * 64;
+      const uint8_t* wb = wp + b * (K * BITS / 32) * 64;
       const uint16_t* db = dp + b * G * 16;
       const uint16_t* mb = mp + b * G * 16;
       const int64_t n0 = b * 16;
@@ -401,25 +443,34 @@ void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Te
         if (rows <= 0) break;
         int64_t t = 0;
         for (; t + 4 <= M; t += 4)
-          int4_tile<4>(wb, db, mb, G, qa.data() + t * K, da.data() + t * G, sa.data() + t * G, K, op + t * N + n0, N,
+          int4_tile<4, BITS>(wb, db, mb, G, qa.data() + t * K, da.data() + t * G, sa.data() + t * G, K, op + t * N + n0, N,
                        h, rows);
         const int8_t* a = qa.data() + t * K;
         const float *dt = da.data() + t * G, *st = sa.data() + t * G;
         float* o = op + t * N + n0;
         switch (M - t) {
-          case 3: int4_tile<3>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
-          case 2: int4_tile<2>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
-          case 1: int4_tile<1>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
+          case 3: int4_tile<3, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
+          case 2: int4_tile<2, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
+          case 1: int4_tile<1, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
           default: break;
         }
       }
     }
   });
 }
+void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
+  grouped_linear<4>(out, x, qw, d, m);
+}
+void q8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
+  grouped_linear<8>(out, x, qw, d, m);
+}
 #else  // no AVX512-VNNI or AVX2 here: Int4Dense dequantizes and uses PyTorch's matmul
 bool has_int4() { return false; }
 void int4_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
   TORCH_CHECK(false, "int4_linear needs AVX512-VNNI or AVX2");
+}
+void q8_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "q8_linear needs AVX512-VNNI or AVX2");
 }
 #endif
 
@@ -503,7 +554,11 @@ static torch::Tensor linear(const std::vector<torch::Tensor>& L, const torch::Te
     out = packed_linear(x, L[0]);
   } else {
     out = torch::empty({x.size(0), N}, x.options());
-    if (L[0].scalar_type() == at::kByte) { int4_linear(out, x, L[0], L[1], L[2]); n = 3; }
+    if (L[0].scalar_type() == at::kByte) {  // Int4Dense or Q8Dense, by the codes' bytes per input
+      if (L[0].size(1) * 8 == x.size(1)) int4_linear(out, x, L[0], L[1], L[2]);
+      else q8_linear(out, x, L[0], L[1], L[2]);
+      n = 3;
+    }
     else if (L[0].scalar_type() == at::kChar) { int8_linear(out, x, L[0], L[1]); n = 2; }
     else at::mm_out(out, x, L[0]);
   }
@@ -670,7 +725,7 @@ def load():
     if _tried:
         return _module
     _tried = True
-    _module = native.build("kvcache_cpu_model", _SOURCE, ["int8_linear", "int4_linear", "has_int4", "add_rms_norm",
+    _module = native.build("kvcache_cpu_model", _SOURCE, ["int8_linear", "int4_linear", "q8_linear", "has_int4", "add_rms_norm",
                            "rope_", "attn_in", "mlp", "argmax_finite"], [],
                            "using PyTorch's ops")
     return _module

@@ -13,8 +13,9 @@ from kvcache.config import EngineConfig
 from kvcache.models.llama import Dense
 from kvcache.models.loader import build_model, read_checkpoint
 from kvcache.models.cpu_kernels import has_int4, load
-from kvcache.models.quant_linear import (KERNEL_MAX_ROWS, Int4Dense, Int8Dense, pack_int4, quantize_activations,
-                                         quantize_groups, quantize_rows, unpack_int4)
+from kvcache.models.quant_linear import (KERNEL_MAX_ROWS, Int4Dense, Int8Dense, Q8Dense, fake_quantize_activations,
+                                         pack_int4, pack_q8, quantize_activations, quantize_groups, quantize_q8,
+                                         quantize_rows, unpack_int4, unpack_q8)
 
 
 def test_the_kernel_compiles_here():
@@ -214,13 +215,12 @@ def test_the_int4_model_is_its_dequantized_twin_and_near_transformers(tiny_model
         return
     q = build_model(loaded, 128, quantization="int4")
     first = q.layers[0]
-    assert isinstance(getattr(first, "qkv", None) or first.qkv_a, Int4Dense) and isinstance(q.lm_head, Int8Dense)
+    assert isinstance(getattr(first, "qkv", None) or first.qkv_a, Int4Dense) and isinstance(q.lm_head, Q8Dense)
     twin = build_model(loaded, 128)
     with torch.no_grad():
         for mod, tmod in zip(q.modules(), twin.modules()):
-            if isinstance(mod, Int4Dense):
+            if isinstance(mod, Int4Dense):  # the Q8_0 head too
                 tmod.weight.copy_(mod.dequantized().t())
-        twin.lm_head.weight.copy_((q.lm_head.weight.float() * q.lm_head.scale[:, None]).t())  # int8 head
     ids = list(range(3, 60))
     from test_half_precision import kv_logits
     got, same = kv_logits(q, ids, 7), kv_logits(twin, ids, 7)
@@ -262,6 +262,75 @@ def test_a_batch_invariant_int8_layer_gives_each_row_what_it_gives_it_alone():
 
 
 def test_the_lm_head_is_batch_invariant(tiny_model_dirs):
-    for q in ("int8", "int4"):
+    """A row's logits are bit for bit the same alone and among others, past the int8 kernel's row limit too (int8:
+    per-channel int8, every row through its kernel; int4: the Q8_0 head)."""
+    for q, head in (("int8", Int8Dense), ("int4", Q8Dense)):
         model = build_model(read_checkpoint(tiny_model_dirs["llama"]), 64, quantization=q)
-        assert isinstance(model.lm_head, Int8Dense) and model.lm_head.batch_invariant
+        assert isinstance(model.lm_head, head)
+        x = torch.randn(KERNEL_MAX_ROWS + 5, model.config.hidden_size)
+        whole = model.lm_head(x)
+        for i in (0, 7, KERNEL_MAX_ROWS + 4):
+            assert torch.equal(model.lm_head(x[i:i + 1]), whole[i:i + 1]), (q, i)
+
+
+def test_q8_codes_are_gguf_q8_0_and_round_trip():
+    """Q8Dense holds GGUF's Q8_0 (d = amax / 127 in float16, q = round(w / d)): re-quantizing its dequantized weights
+    (what a Q8_0 tensor loads as) gives back the same codes and scales; packing is a permutation."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(37, 128, generator=g)
+    w[3, :32] = 0  # a zero group: d = 0, every code 128 (q = 0)
+    codes, d, m = quantize_q8(w)
+    assert codes.dtype == torch.uint8 and int(codes.min()) >= 1 and torch.equal(m, d * -128)
+    assert (codes[3, :32] == 128).all() and d[3, 0] == 0
+    deq = (codes.float().reshape(37, 4, 32) * d.float()[..., None] + m.float()[..., None]).reshape(37, 128)
+    assert (deq - w).abs().max() <= d.float().max() / 2 + 1e-6
+    again = quantize_q8(deq)
+    assert torch.equal(again[0], codes) and torch.equal(again[1], d)
+    padded = torch.cat([codes, torch.zeros(11, 128, dtype=torch.uint8)])
+    assert torch.equal(unpack_q8(pack_q8(padded)), padded)
+
+
+@pytest.mark.parametrize("n_out", [16, 37, 100])
+def test_q8_kernel_is_its_reference_and_batch_invariant(n_out):
+    """q8_linear computes x (int8 per group of 32, as int4's kernel rounds it) times the Q8_0 weight, every row
+    bit for bit what it gets alone (the LM head's logits do not depend on the step's other rows); rows() are the
+    dequantized weight's rows (a tied embedding's lookups)."""
+    if not has_int4():
+        pytest.skip("no int4/q8 kernel on this CPU (neither AVX512-VNNI nor AVX2 + FMA + F16C)")
+    g = torch.Generator().manual_seed(n_out)
+    layer = Q8Dense(192, n_out, bias=False)
+    with torch.no_grad():
+        layer.load_rows(0, torch.randn(n_out // 2, 192, generator=g))  # two loads: blocks repacked in place
+        layer.load_rows(n_out // 2, torch.randn(n_out - n_out // 2, 192, generator=g))
+    x = torch.randn(19, 192, generator=g)
+    whole = layer(x)
+    ref = fake_quantize_activations(x).double() @ layer.dequantized().double().t()
+    torch.testing.assert_close(whole.double(), ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
+    for rows in (1, 2, 5, 8, 9):
+        assert torch.equal(layer(x[3:3 + rows]), whole[3:3 + rows])
+    ids = torch.tensor([0, n_out - 1, 7, 7])
+    assert torch.equal(layer.rows(ids), layer.dequantized()[ids])
+
+
+def test_avx2_kernels_are_the_vnni_kernels_bit_for_bit():
+    """On an AVX-512 CPU, the kernels built without AVX-512 (the AVX2 + FMA path every x86 machine since 2013 has)
+    give the very floats the VNNI ones give, 4-bit and 8-bit codes, every tile size."""
+    if not has_int4() or "avx512_vnni" not in open("/proc/cpuinfo").read():
+        pytest.skip("needs an AVX512-VNNI CPU to compare with")
+    from kvcache import native
+    from kvcache.models import cpu_kernels
+    avx2 = native.build("kvcache_cpu_model_avx2", cpu_kernels._SOURCE, ["int4_linear", "q8_linear", "has_int4"],
+                        ["-mno-avx512f"], "skipping the comparison")
+    assert avx2 is not None and avx2.has_int4()
+    vnni = load()
+    g = torch.Generator().manual_seed(4)
+    for cls in (Int4Dense, Q8Dense):
+        layer = cls(256, 40, bias=False)
+        with torch.no_grad():
+            layer.load_rows(0, torch.randn(40, 256, generator=g))
+        for m in (1, 3, 4, 5, 8, 9, 17):
+            x = torch.randn(m, 256, generator=g)
+            a, b = torch.empty(m, 40), torch.empty(m, 40)
+            getattr(vnni, layer.KERNEL)(a, x, layer.qweight, layer.scale, layer.minimum)
+            getattr(avx2, layer.KERNEL)(b, x, layer.qweight, layer.scale, layer.minimum)
+            assert torch.equal(a, b), f"{cls.__name__}, {m} rows"
