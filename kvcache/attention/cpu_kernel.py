@@ -28,6 +28,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <math.h>
 #include <type_traits>
 #include <vector>
@@ -96,11 +97,33 @@ struct F32Src {
 };
 
 // Quantized stores (store/quantized_store.py): each block is one row of `raw` [NB, ROW] bytes holding
-// codes, fp16 scales and zero points at byte offsets ko, vo, kso, vso, kzo, vzo. CODE 0: fp8 through lut[256] and
-// 1: int8, one byte per value and one scale per token and KV head. CODE 4 / 2: KIVI int4 / int2, PER = 8 / CODE codes
+// codes, fp16 scales and zero points at byte offsets ko, vo, kso, vso, kzo, vzo. CODE 0: a byte format through
+// lut[256], 1: int8, 5 / 6: fp8 e4m3fn / e5m2 decoded arithmetically (fp8_value), one byte per value and one scale
+// per token and KV head. CODE 4 / 2: KIVI int4 / int2, PER = 8 / CODE codes
 // a byte; keys scaled per channel over groups of GK tokens, values per token over groups of GV channels; keys of
 // positions >= full_start[b] are read in full precision from full_src rows full_rows[b]. A token is decoded into
 // `kv` (D floats) as it is read. One per thread: it caches the current KIVI group's key scales.
+// An fp8 byte as float32, vectorizable (a table lookup is a gather): its sign, exponent and mantissa bits moved to
+// float32's places, then scaled by 2^(127 - bias), which also gets the subnormals right. Non-finite codes (e4m3fn:
+// 0x7F/0xFF NaN; e5m2: exponent 31, inf or NaN) keep their value: their bits become float32's inf/NaN first.
+template <int EXP>
+static inline float fp8_value(uint32_t c) {
+  constexpr int MANT = 7 - EXP;
+  constexpr uint32_t top = ((1u << EXP) - 1) << MANT;  // the all-ones exponent field
+  const uint32_t mag = c & 0x7Fu;
+  const bool special = EXP == 4 ? mag == 0x7Fu : (mag & top) == top;
+  uint32_t bits = mag << (23 - MANT);
+  if (special) bits = EXP == 4 ? 0x7FC00000u : (0x7F800000u | ((mag & ((1u << MANT) - 1)) << 21));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  if (!special) f *= EXP == 4 ? 0x1p120f : 0x1p112f;
+  uint32_t out;
+  std::memcpy(&out, &f, 4);
+  out |= (c & 0x80u) << 24;
+  std::memcpy(&f, &out, 4);
+  return f;
+}
+
 template <int CODE>
 struct QuantSrc {
   static constexpr bool KIVI = CODE == 4 || CODE == 2;
@@ -127,6 +150,8 @@ struct QuantSrc {
   float code(const uint8_t* c, int64_t d) const {
     if constexpr (CODE == 0) return lut[c[d]];
     else if constexpr (CODE == 1) return (float)(int8_t)c[d];
+    else if constexpr (CODE == 5) return fp8_value<4>(c[d]);
+    else if constexpr (CODE == 6) return fp8_value<5>(c[d]);
     else return (float)((c[d / PER] >> ((d % PER) * CODE)) & MASK);
   }
   // KV head kh's keys of tokens t0..t1 of the current block, decoded: token t's at p + t * stride
@@ -464,6 +489,8 @@ void paged_decode_quant(torch::Tensor out, torch::Tensor q, torch::Tensor raw, s
   switch (code) {
     case 0: run(QuantSrc<0>{}); break;
     case 1: run(QuantSrc<1>{}); break;
+    case 5: run(QuantSrc<5>{}); break;
+    case 6: run(QuantSrc<6>{}); break;
     case 4: run(QuantSrc<4>{}); break;
     case 2: run(QuantSrc<2>{}); break;
     default: TORCH_CHECK(false, "unknown code ", code);
@@ -487,6 +514,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
 SPLIT_TOKENS = 128
 
 _NO_RUNS = torch.empty(0, dtype=torch.int64)
+FORMAT_CODES = {"int8": 1, "fp8_e4m3": 5, "fp8_e5m2": 6}  # the kernel's arithmetic decoders (KIVI: its bits)
 _module = None
 _tried = False
 
@@ -516,13 +544,14 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
 def paged_decode_quant(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, scale: float, window: int | None,
                        full: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, softcap: float | None = None,
-                       runs: torch.Tensor | None = None) -> None:
+                       runs: torch.Tensor | None = None, code: int | None = None) -> None:
     """paged_decode over a QuantizedKVStore layer, dequantizing each token as it is read. Under KIVI `full` is
     (full-precision key rows [R, KVH, D], row of each sequence's current-group position [B, group], the position
-    that group starts at [B]), and there are no runs."""
+    that group starts at [B]), and there are no runs. `code`: how bytes decode (default: the store's format; 0, the
+    store's lookup table, serves any byte format)."""
     empty = torch.empty(0)
     src, rows, start = full if full is not None else (empty, empty, empty)
-    code = store.bits if store.kivi_group else (1 if store.dtype == "int8" else 0)
+    code = store.bits if store.kivi_group else FORMAT_CODES.get(store.dtype, 0) if code is None else code
     load().paged_decode_quant(out, q, store.raw[layer], store.offsets, code, store.lut,
                                store.kivi_group or 1, store.value_group, store.block_size,
                                store.num_kv_heads, block_tables, context_lens, scale, window or 0, src, rows, start,

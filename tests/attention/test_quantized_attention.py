@@ -133,3 +133,41 @@ def test_cpu_kernel_decodes_a_batch_of_quantized_sequences():
     ref = torch.stack([_reference(q, k, v, dtype)[-1] for q, k, v in data])
     torch.testing.assert_close(outs[False], ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs[True], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_cpu_kernel_decodes_fp8_arithmetically_as_its_table_does(dtype):
+    """The kernel decodes fp8 bytes with integer and float arithmetic (vectorizable), not the store's 256-entry table:
+    with every finite byte value in the blocks, the output is bit for bit the table's; a non-finite byte makes the
+    row non-finite under both, as the table's NaN/inf would."""
+    assert cpu_kernel.load() is not None
+    bs, nb, g = 16, 6, torch.Generator().manual_seed(9)
+    store = QuantizedKVStore(1, nb + 1, bs, KVH, D, dtype)
+    L = nb * bs
+    kv = torch.randn(2, L, KVH, D, generator=g)
+    slots = torch.arange(bs, (nb + 1) * bs)
+    store.write(0, slots, kv[0], kv[1])
+    finite = torch.isfinite(store.lut).nonzero().flatten().to(torch.uint8)
+    ko, vo = store.offsets[0], store.offsets[1]
+    n = bs * KVH * D
+    raw = store.raw[0]
+    for off in (ko, vo):  # every finite byte value appears among the codes
+        codes = finite[torch.randint(0, finite.numel(), (nb + 1, n), generator=g)]
+        codes[1, :finite.numel()] = finite
+        raw[:, off:off + n] = codes
+    q = torch.randn(3, H, D, generator=g)
+    table = torch.arange(1, nb + 1).repeat(3, 1)
+    lens = torch.tensor([L, 37, 1])
+    outs = []
+    for code in (None, 0):
+        out = torch.empty_like(q)
+        cpu_kernel.paged_decode_quant(out, q, store, 0, table, lens, D ** -0.5, None, None, code=code)
+        outs.append(out)
+    assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
+    bad = (~torch.isfinite(store.lut)).nonzero().flatten()
+    for b in bad.tolist():
+        raw[1, ko + 5] = b  # token 0, head 0, channel 5 of the first block
+        for code in (None, 0):
+            out = torch.empty_like(q)
+            cpu_kernel.paged_decode_quant(out, q, store, 0, table, lens, D ** -0.5, None, None, code=code)
+            assert not torch.isfinite(out[:2, :H // KVH]).all(), (b, code)
