@@ -103,20 +103,22 @@ struct F32Src {
 // a byte; keys scaled per channel over groups of GK tokens, values per token over groups of GV channels; keys of
 // positions >= full_start[b] are read in full precision from full_src rows full_rows[b]. A token is decoded into
 // `kv` (D floats) as it is read. One per thread: it caches the current KIVI group's key scales.
-// An fp8 byte as float32, vectorizable (a table lookup is a gather): its sign, exponent and mantissa bits moved to
-// float32's places, then scaled by 2^(127 - bias), which also gets the subnormals right. Non-finite codes (e4m3fn:
-// 0x7F/0xFF NaN; e5m2: exponent 31, inf or NaN) keep their value: their bits become float32's inf/NaN first.
+// An fp8 byte as float32, vectorizable (a table lookup is a gather), with no float32 denormal on the way (the
+// engine runs with denormals flushed): a normal code's exponent is rebiased in the integer bits, a subnormal one is
+// mantissa x 2^(1 - bias - mantissa bits), exact. Non-finite codes (e4m3fn: 0x7F/0xFF NaN; e5m2: exponent 31, inf
+// or NaN) stay non-finite.
 template <int EXP>
 static inline float fp8_value(uint32_t c) {
-  constexpr int MANT = 7 - EXP;
+  constexpr int MANT = 7 - EXP, BIAS = (1 << (EXP - 1)) - 1;
   constexpr uint32_t top = ((1u << EXP) - 1) << MANT;  // the all-ones exponent field
-  const uint32_t mag = c & 0x7Fu;
+  constexpr float SUB = EXP == 4 ? 0x1p-9f : 0x1p-16f;  // 2^(1 - BIAS - MANT)
+  const uint32_t mag = c & 0x7Fu, mant = mag & ((1u << MANT) - 1);
   const bool special = EXP == 4 ? mag == 0x7Fu : (mag & top) == top;
-  uint32_t bits = mag << (23 - MANT);
-  if (special) bits = EXP == 4 ? 0x7FC00000u : (0x7F800000u | ((mag & ((1u << MANT) - 1)) << 21));
+  uint32_t bits = (mag << (23 - MANT)) + ((uint32_t)(127 - BIAS) << 23);
+  if (special) bits = EXP == 4 ? 0x7FC00000u : (0x7F800000u | (mant << 21));
   float f;
   std::memcpy(&f, &bits, 4);
-  if (!special) f *= EXP == 4 ? 0x1p120f : 0x1p112f;
+  if ((mag & top) == 0) f = (float)mant * SUB;  // zero and the subnormals
   uint32_t out;
   std::memcpy(&out, &f, 4);
   out |= (c & 0x80u) << 24;
@@ -370,9 +372,15 @@ template <int64_t DC, class Src>
 static void decode(const Decode& c, const Src& proto) {
   const int64_t D = DC ? DC : c.D, H = c.H, P = H * (D + 2);
   std::vector<int64_t> start, size;  // runs
-  for (int64_t b = 0; b < c.B; ++b) {
+  for (int64_t b = 0; b < c.B;) {
     const int64_t n = c.runs && c.window <= 0 ? c.runs[b] : 1;
-    if (n > 0) { start.push_back(b); size.push_back(std::min(n, c.B - b)); }
+    TORCH_CHECK(n >= 1 && b + n <= c.B, "paged_decode: runs[", b, "] = ", n, " with ", c.B, " rows");
+    for (int64_t r = 1; r < n; ++r)
+      TORCH_CHECK(c.runs[b + r] == 0 && c.cl[b + r] == c.cl[b] + r,
+                  "paged_decode: the rows of a run are one sequence's consecutive positions (run at row ", b, ")");
+    start.push_back(b);
+    size.push_back(n);
+    b += n;
   }
   const int64_t U = start.size();
   std::vector<int64_t> first(U + 1, 0), splits(c.B), prow(c.B + 1, 0);  // items of run u: first[u] .. first[u + 1]
@@ -419,11 +427,20 @@ static void decode(const Decode& c, const Src& proto) {
   at::parallel_for(0, c.B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w;
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = splits[b];
-      if (n == 1) continue;
+      if (splits[b] == 1) continue;
+      // the row's own splits: those of its run past its length hold nothing, and leaving them out keeps its
+      // arithmetic (the loop's trip count) what it is alone
+      const int64_t n = c.splits(b);
       const float* p0 = partial.data() + prow[b] * P;
-      w.resize(n);
       float* o = c.out + b * H * D;
+      if (n == 1) {
+        for (int64_t h = 0; h < H; ++h) {
+          const float inv = 1.f / p0[H + h];
+          for (int64_t d = 0; d < D; ++d) o[h * D + d] = p0[2 * H + h * D + d] * inv;
+        }
+        continue;
+      }
+      w.resize(n);
       for (int64_t h = 0; h < H; ++h) {
         float mx = NO_SCORE, sum = 0.f;
         for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p0[i * P + h]);

@@ -333,7 +333,9 @@ class LlamaModel(nn.Module):
         # speculative verification cost little more than one (demo head, 2 threads, from memory: 2.2 ms for 1 row,
         # 2.7 for 5, 12 for 64, against 3.1, 6.5 and 33 for int8 per channel with float32 activations). Every row
         # computes what it computes alone: a sequence's logits do not depend on the step's other rows.
-        self.lm_head = (Q8Dense if quantization == "int4" else linear)(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Where the int4 kernel is not built (no AVX2), Int8Dense's plain C++ kernel keeps the head batch-invariant.
+        head = (Q8Dense if cpu_kernels.has_int4() else Int8Dense) if quantization == "int4" else linear
+        self.lm_head = head(cfg.hidden_size, cfg.vocab_size, bias=False)
         if isinstance(self.lm_head, Int8Dense):
             self.lm_head.batch_invariant = True
         self.max_positions = max_positions

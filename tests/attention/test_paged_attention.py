@@ -274,3 +274,17 @@ def test_cpu_kernel_runs_of_one_sequence_equal_rows_alone(split):
             p = torch.softmax(torch.einsum("hd,thd->ht", q[row], keys[:L]) * 0.125, -1)
             torch.testing.assert_close(together[row], torch.einsum("ht,thd->hd", p, vals[:L]), atol=1e-5, rtol=1e-5)
             row += 1
+
+
+def test_cpu_kernel_refuses_runs_that_are_not_one_sequence():
+    """Runs the kernel cannot trust (lengths not consecutive, a run past the rows, a row left out) are refused
+    before anything is read or written."""
+    assert cpu_kernel.load() is not None
+    k = v = torch.randn(4, 16, 1, 64)
+    tables = torch.tensor([[1, 2], [1, 2], [3, 0]])
+    q, out = torch.randn(3, 2, 64), torch.zeros(3, 2, 64)
+    for runs, lens, msg in (([2, 0, 1], [20, 22, 5], "consecutive"), ([2, 0, 2], [20, 21, 5], "with 3 rows"),
+                            ([0, 1, 1], [20, 21, 5], "runs\\[0\\] = 0")):
+        with pytest.raises(RuntimeError, match=msg):
+            cpu_kernel.paged_decode(out, q, k, v, tables, torch.tensor(lens), 0.125, None, runs=torch.tensor(runs))
+        assert not out.any()

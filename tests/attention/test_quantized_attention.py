@@ -138,9 +138,19 @@ def test_cpu_kernel_decodes_a_batch_of_quantized_sequences():
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_cpu_kernel_decodes_fp8_arithmetically_as_its_table_does(dtype):
     """The kernel decodes fp8 bytes with integer and float arithmetic (vectorizable), not the store's 256-entry table:
-    with every finite byte value in the blocks, the output is bit for bit the table's; a non-finite byte makes the
-    row non-finite under both, as the table's NaN/inf would."""
+    with every finite byte value in the blocks, the output is bit for bit the table's, with denormals flushed as the
+    engine runs (the subnormal fp8 codes must not pass through a float32 denormal); a non-finite byte makes the row
+    non-finite under both, as the table's NaN/inf would."""
     assert cpu_kernel.load() is not None
+    for flush in (True, False):
+        torch.set_flush_denormal(flush)
+        try:
+            _fp8_codes_against_table(dtype)
+        finally:
+            torch.set_flush_denormal(False)
+
+
+def _fp8_codes_against_table(dtype):
     bs, nb, g = 16, 6, torch.Generator().manual_seed(9)
     store = QuantizedKVStore(1, nb + 1, bs, KVH, D, dtype)
     L = nb * bs
