@@ -80,6 +80,14 @@ static inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
+// o [H, D] = acc [H, D] / l [H], the online softmax's output.
+static inline void normalise(float* o, const float* acc, const float* l, int64_t H, int64_t D) {
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = 1.f / l[h];
+    for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[h * D + d] * inv;
+  }
+}
+
 // Running maxima start here, not at -inf: -ffast-math assumes finite floats.
 constexpr float NO_SCORE = -1e30f;
 
@@ -96,13 +104,6 @@ struct F32Src {
   const float* values(int64_t kh, int64_t, int64_t, int64_t& stride) { stride = tok; return vb + kh * D; }
 };
 
-// Quantized stores (store/quantized_store.py): each block is one row of `raw` [NB, ROW] bytes holding
-// codes, fp16 scales and zero points at byte offsets ko, vo, kso, vso, kzo, vzo. CODE 0: a byte format through
-// lut[256], 1: int8, 5 / 6: fp8 e4m3fn / e5m2 decoded arithmetically (fp8_value), one byte per value and one scale
-// per token and KV head. CODE 4 / 2: KIVI int4 / int2, PER = 8 / CODE codes
-// a byte; keys scaled per channel over groups of GK tokens, values per token over groups of GV channels; keys of
-// positions >= full_start[b] are read in full precision from full_src rows full_rows[b]. A token is decoded into
-// `kv` (D floats) as it is read. One per thread: it caches the current KIVI group's key scales.
 // An fp8 byte as float32, vectorizable (a table lookup is a gather), with no float32 denormal on the way (the
 // engine runs with denormals flushed): a normal code's exponent is rebiased in the integer bits, a subnormal one is
 // mantissa x 2^(1 - bias - mantissa bits), exact. Non-finite codes (e4m3fn: 0x7F/0xFF NaN; e5m2: exponent 31, inf
@@ -126,6 +127,13 @@ static inline float fp8_value(uint32_t c) {
   return f;
 }
 
+// Quantized stores (store/quantized_store.py): each block is one row of `raw` [NB, ROW] bytes holding
+// codes, fp16 scales and zero points at byte offsets ko, vo, kso, vso, kzo, vzo. CODE 0: a byte format through
+// lut[256], 1: int8, 5 / 6: fp8 e4m3fn / e5m2 decoded arithmetically (fp8_value), one byte per value and one scale
+// per token and KV head. CODE 4 / 2: KIVI int4 / int2, PER = 8 / CODE codes a byte; keys scaled per channel over
+// groups of GK tokens, values per token over groups of GV channels; keys of positions >= full_start[b] are read in
+// full precision from full_src rows full_rows[b]. keys() / values() decode one KV head's tokens of the current block
+// into kbuf / vbuf (BS x D floats); one per thread.
 template <int CODE>
 struct QuantSrc {
   static constexpr bool KIVI = CODE == 4 || CODE == 2;
@@ -409,11 +417,7 @@ static void decode(const Decode& c, const Src& proto) {
       attend_blocks<DC>(c, src, b, R, b0, b1, s.data(), SB, m, l, acc.data());
       for (int64_t r = 0; r < R; ++r) {
         if (n == 1) {
-          float* o = c.out + (b + r) * H * D;
-          for (int64_t h = 0; h < H; ++h) {
-            const float inv = 1.f / l[r * H + h];
-            for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[(r * H + h) * D + d] * inv;
-          }
+          normalise(c.out + (b + r) * H * D, acc.data() + r * H * D, l + r * H, H, D);
         } else {
           float* p = partial.data() + (prow[b + r] + sp) * P;
           std::copy(m + r * H, m + (r + 1) * H, p);
@@ -434,10 +438,7 @@ static void decode(const Decode& c, const Src& proto) {
       const float* p0 = partial.data() + prow[b] * P;
       float* o = c.out + b * H * D;
       if (n == 1) {
-        for (int64_t h = 0; h < H; ++h) {
-          const float inv = 1.f / p0[H + h];
-          for (int64_t d = 0; d < D; ++d) o[h * D + d] = p0[2 * H + h * D + d] * inv;
-        }
+        normalise(o, p0 + 2 * H, p0 + H, H, D);
         continue;
       }
       w.resize(n);
@@ -568,7 +569,10 @@ def paged_decode_quant(out: torch.Tensor, q: torch.Tensor, store, layer: int, bl
     store's lookup table, serves any byte format)."""
     empty = torch.empty(0)
     src, rows, start = full if full is not None else (empty, empty, empty)
-    code = store.bits if store.kivi_group else FORMAT_CODES.get(store.dtype, 0) if code is None else code
+    if store.kivi_group:
+        code = store.bits
+    elif code is None:
+        code = FORMAT_CODES.get(store.dtype, 0)
     load().paged_decode_quant(out, q, store.raw[layer], store.offsets, code, store.lut,
                                store.kivi_group or 1, store.value_group, store.block_size,
                                store.num_kv_heads, block_tables, context_lens, scale, window or 0, src, rows, start,

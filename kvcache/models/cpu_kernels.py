@@ -308,12 +308,6 @@ static void grouped_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw,
     }
   });
 }
-void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
-  grouped_linear<4>(out, x, qw, d, m);
-}
-void q8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
-  grouped_linear<8>(out, x, qw, d, m);
-}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 bool has_int4() { return true; }
 // The same layout and the same math as the VNNI kernel above, in 256-bit registers: every output comes out
@@ -458,21 +452,19 @@ static void grouped_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw,
     }
   });
 }
+#else  // no AVX512-VNNI or AVX2 here: Int4Dense dequantizes and uses PyTorch's matmul
+bool has_int4() { return false; }
+template <int BITS>
+static void grouped_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, BITS == 4 ? "int4_linear" : "q8_linear", " needs AVX512-VNNI or AVX2");
+}
+#endif
 void int4_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
   grouped_linear<4>(out, x, qw, d, m);
 }
 void q8_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
   grouped_linear<8>(out, x, qw, d, m);
 }
-#else  // no AVX512-VNNI or AVX2 here: Int4Dense dequantizes and uses PyTorch's matmul
-bool has_int4() { return false; }
-void int4_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
-  TORCH_CHECK(false, "int4_linear needs AVX512-VNNI or AVX2");
-}
-void q8_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
-  TORCH_CHECK(false, "q8_linear needs AVX512-VNNI or AVX2");
-}
-#endif
 
 // residual[t] += x[t] (skipped when x is undefined); out[t] = residual[t] * rsqrt(mean(residual[t]^2) + eps) * w.
 void add_rms_norm(torch::Tensor out, torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor w,
