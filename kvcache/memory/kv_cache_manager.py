@@ -54,6 +54,7 @@ class _SeqCache:
     num_cached: int = 0  # leading blocks of its table registered in the index (or taken from it)
     node: RadixNode | None = None  # radix: the node its prefix ends at
     locked: bool = False  # radix: it holds a lock on `node`
+    stopped: bool = False  # a block under one of its hashes is held with another chain: none more is registered
 
 
 class KVCacheManager:
@@ -251,7 +252,7 @@ class KVCacheManager:
         table = self.block_tables[seq_id]
         full = min(num_computed_tokens // self.block_size, len(table))
         first = entry.num_cached
-        if full <= first:
+        if full <= first or entry.stopped:
             return range(0)
         bs = self.block_size
         if self.radix:
@@ -280,7 +281,7 @@ class KVCacheManager:
                     if prev == BlockPool.NULL_BLOCK:
                         prev = self.pool.lookup(hashes[i - 1])
                         if prev is None:
-                            full = i
+                            full, entry.stopped = i, True
                             break
                     parent = (prev, self.pool.generation[prev])
                 key = BlockKey(hashes[i], tokens, entry.extra, parent)
@@ -290,8 +291,14 @@ class KVCacheManager:
                     stored.append(i)
                 elif self.pool.keys[other] == key:
                     self._swap(seq_id, i, other)  # computed twice (same step): keep one copy
-                else:
-                    full = i  # a real hash collision: cache nothing more of this sequence
+                elif self.pool.ref_counts[other] == 0:
+                    # an idle block under this hash with another parent (its own was reused and this block
+                    # recomputed since, or a real collision): nobody holds it, so this block takes its place
+                    self.pool.uncache(other)
+                    self.pool.cache(b, key)
+                    stored.append(i)
+                else:  # another sequence holds a block under this hash with another chain (a collision, or its
+                    full, entry.stopped = i, True  # parent reused and recomputed): cache nothing more of this one
                     break
             stored_runs(self.events, stored, hashes, token_ids, bs)
         entry.num_cached = full
@@ -320,8 +327,9 @@ class KVCacheManager:
         table = self.block_tables[seq_id]
         end = min(num_tokens // self.block_size, len(table))
         if self.prefix_caching is not None and seq_id not in self._compacted:  # a compacted table holds no cached block
-            entry = self._seqs.get(seq_id)
-            end = min(end, entry.num_cached if entry is not None else 0)
+            entry = self._seqs.get(seq_id)  # (nor one that stopped caching: no successor will need its blocks)
+            if entry is None or not entry.stopped:
+                end = min(end, entry.num_cached if entry is not None else 0)
         start = self._released.get(seq_id, 0)
         if end <= start:
             return []
