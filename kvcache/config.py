@@ -192,14 +192,13 @@ class EngineConfig:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if tp > 1:
-            refused = {"kv_eviction " + self.kv_eviction: self.kv_eviction != "none",
-                       "the KV offload tiers": bool(self.kv_offload_memory or self.kv_offload_dir or self.kv_remote),
+            refused = {"the KV offload tiers": bool(self.kv_offload_memory or self.kv_offload_dir or self.kv_remote),
                        "preemption_mode swap": self.preemption_mode == "swap",
                        "a draft model": self.speculative is not None and self.speculative.method == "draft_model"}
             on = [k for k, v in refused.items() if v]
             if on:
                 raise ValueError(f"tensor_parallel_size {tp} cannot be combined with {' and '.join(on)} yet: they read "
-                                 "or move KV through rank 0's store alone (eviction scores would need every rank's heads)")
+                                 "or move KV through rank 0's store alone")
         if self.attention_backend not in ("auto", "triton", "torch", "cpu"):
             raise ValueError(f"attention_backend must be one of auto, triton, torch, cpu; got {self.attention_backend!r}")
 

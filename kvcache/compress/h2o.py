@@ -41,7 +41,7 @@ class H2O(EvictionPolicy):
             k = keys(layer, n)
             for r in range(0, q.shape[0], ROWS):
                 p = attention_probs(q[r:r + ROWS], k, slots[r:r + ROWS], scale).sum(1)
-                state.scores[layer, :, :n] += group_mean(p, state.num_kv_heads)
+                state.scores[layer, :, :n] += group_mean(p, state)
 
     def select(self, state: EvictionState, n: int, counts: list[int], keys: KeysFn, scale: float) -> list[torch.Tensor]:
         recent = state.budget // 2

@@ -17,6 +17,27 @@ import torch
 KeysFn = Callable[[int, int], torch.Tensor]
 
 
+@dataclass(frozen=True, slots=True)
+class HeadShare:
+    """The heads a tensor-parallel rank holds of a model's (distributed/tensor_parallel.py): KV heads
+    [first, first + local) of kv_heads, with q_local of each one's query heads, and `reduce`, an in-place sum of a
+    tensor across the ranks. A score that averages over query heads on other ranks too (a KV head replicated on
+    several ranks, each with some of its query heads; TOVA's mean over a layer's heads) is summed across ranks
+    before it is divided, so every rank holding a KV head ranks its tokens alike, as one process would."""
+
+    kv_heads: int
+    q_heads: int
+    first: int
+    local: int
+    q_local: int  # this rank's query heads per KV head it holds
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def split(self) -> bool:
+        """Each KV head's query heads all on the rank that holds it: its per-head scores need no other rank."""
+        return self.q_local * self.kv_heads == self.q_heads
+
+
 @dataclass(slots=True)
 class EvictionState:
     """One sequence's eviction bookkeeping (tokens and slots are counted per layer and KV head)."""
@@ -27,15 +48,19 @@ class EvictionState:
     num_layers: int
     num_kv_heads: int
     generator: torch.Generator | None = None
+    seed: int = 0  # the generator's (a tensor-parallel worker seeds its copy of the state alike)
+    share: HeadShare | None = None  # tensor parallelism: the heads this rank's store holds (None: all of them)
     num_evicted: int = 0  # tokens dropped from the cache so far: a new token's slot is its position minus this
     scores: torch.Tensor | None = None  # [layers, kv_heads, slots] accumulated scores (h2o), compacted with the cache
     queries: list[list[torch.Tensor]] = field(default_factory=list)  # per layer: captured queries [r, H, D]
     query_slots: list[torch.Tensor] = field(default_factory=list)  # slots of those queries, one tensor per capture
     layer_start: list[int] | None = None  # first live slot per layer (block-aligned) when layers keep different counts
     pending: bool = False  # a compaction is due but waited for a free block
+    epoch: int = 0  # resets so far (a tensor-parallel worker resets its copy when it sees a new one)
 
     def reset(self, prompt_len: int) -> None:
         """Forget everything: the sequence lost its cache (preemption) and will prefill `prompt_len` tokens."""
+        self.epoch += 1
         self.prompt_len, self.num_evicted, self.scores, self.layer_start, self.pending = prompt_len, 0, None, None, False
         self.queries, self.query_slots = [], []
 
@@ -80,9 +105,30 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, q_slots: torch.Tensor, sca
     return logits.masked_fill_(~visible, float("-inf")).softmax(-1)
 
 
-def group_mean(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[H, ...] per query head -> [KVH, ...]: the mean over each KV head's query heads (kvpress's GQA rule)."""
-    return x.view(kv_heads, x.shape[0] // kv_heads, *x.shape[1:]).mean(1)
+def group_mean(x: torch.Tensor, state: EvictionState) -> torch.Tensor:
+    """[H, ...] per query head -> [KVH, ...]: the mean over each KV head's query heads (kvpress's GQA rule); under
+    tensor parallelism over its query heads on every rank."""
+    kvh, share = state.num_kv_heads, state.share
+    grouped = x.view(kvh, x.shape[0] // kvh, *x.shape[1:])
+    if share is None or share.split:
+        return grouped.mean(1)
+    whole = x.new_zeros(share.kv_heads, *x.shape[1:])
+    whole[share.first:share.first + kvh] = grouped.sum(1)
+    return share.reduce(whole)[share.first:share.first + kvh] / (share.q_heads // share.kv_heads)
+
+
+def head_mean(x: torch.Tensor, state: EvictionState) -> torch.Tensor:
+    """[H, ...] per query head -> [...]: the mean over all the layer's query heads (every rank's)."""
+    if state.share is None:
+        return x.mean(0)
+    return state.share.reduce(x.sum(0)) / state.share.q_heads
+
+
+def all_heads(scores: torch.Tensor, state: EvictionState) -> torch.Tensor:
+    """[..., kv_heads, n] drawn for every KV head of the model -> this rank's heads' rows (dim -2)."""
+    if state.share is None:
+        return scores
+    return scores[..., state.share.first:state.share.first + state.num_kv_heads, :]
 
 
 def top_slots(scores: torch.Tensor, k: int, keep_from: int | None = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.compress.policy import EvictionPolicy, EvictionState, KeysFn, top_slots
+from kvcache.compress.policy import EvictionPolicy, EvictionState, KeysFn, all_heads, top_slots
 
 
 class RandomEviction(EvictionPolicy):
@@ -17,6 +17,7 @@ class RandomEviction(EvictionPolicy):
         return [max(state.budget, n - state.prompt_len)] * state.num_layers  # a late compaction keeps what followed
 
     def select(self, state: EvictionState, n: int, counts: list[int], keys: KeysFn, scale: float) -> list[torch.Tensor]:
-        scores = torch.rand(state.num_layers, state.num_kv_heads, n, generator=state.generator)
+        kv_heads = state.share.kv_heads if state.share else state.num_kv_heads  # the same draws on every rank
+        scores = all_heads(torch.rand(state.num_layers, kv_heads, n, generator=state.generator), state)
         keep_from = state.prompt_len if state.prompt_len < n else None  # tokens after the prompt (a retry) stay
         return [top_slots(s, c, keep_from) for s, c in zip(scores, counts)]

@@ -29,7 +29,7 @@ def window_scores(state: EvictionState, n: int, prefix: int, keys: KeysFn, scale
     for layer, q in enumerate(queries):
         p = attention_probs(q, keys(layer, n), slots, scale).mean(1)[:, :prefix]  # [H, prefix]
         p = F.avg_pool1d(p[:, None], KERNEL, stride=1, padding=KERNEL // 2)[:, 0]
-        out.append(group_mean(p, state.num_kv_heads))
+        out.append(group_mean(p, state))
     return out
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.compress.policy import (EvictionPolicy, EvictionState, KeysFn, attention_probs, keep_queries,
-                                     top_slots, windowed_queries)
+from kvcache.compress.policy import (EvictionPolicy, EvictionState, KeysFn, attention_probs, head_mean,
+                                     keep_queries, top_slots, windowed_queries)
 
 
 class TOVA(EvictionPolicy):
@@ -31,6 +31,6 @@ class TOVA(EvictionPolicy):
         queries, slots = windowed_queries(state)
         out = []
         for layer, q in enumerate(queries):
-            p = attention_probs(q[-1:], keys(layer, n), slots[-1:], scale)[:, 0].mean(0)  # [n]
+            p = head_mean(attention_probs(q[-1:], keys(layer, n), slots[-1:], scale)[:, 0], state)  # [n]
             out.append(top_slots(p[None], counts[layer]).expand(state.num_kv_heads, -1))
         return out

@@ -12,6 +12,8 @@ Rank 0 is the engine: scheduler, block tables, prefix cache, sampling. Ranks 1..
 step, broadcast by rank 0 (`broadcast_object_list`): the store operations queued since the last step (a fork's
 block copies, scrubbed blocks), then the step's chunks (token ids, positions, block tables: what build_batch
 needs), from which every rank builds the same batch and runs the same forward; no per-layer Python round-trips.
+A step with evicting sequences is followed by a second message, their plans (engine/eviction.py): each rank
+scores and compacts its own KV heads, scores that average over other ranks' query heads all-reduced.
 Collectives run on gloo (CPU) or NCCL (CUDA), with a bounded timeout (KVCACHE_TP_TIMEOUT seconds, default 120): a
 rank that dies makes the next step raise EngineDeadError instead of hanging, and a forward that fails midway on
 rank 0 does too (the ranks' collectives would be out of step).
@@ -231,6 +233,17 @@ class Collectives:
         return torch.cat(parts, dim=1)[:, :self.shard.vocab]
 
 
+def head_share(shard: Shard):
+    """The HeadShare (compress/policy.py) of rank `shard.rank`: which KV heads it holds, how many of each one's
+    query heads, and the all-reduce that sums a score across ranks."""
+    from kvcache.compress.policy import HeadShare
+    kv = shard.kv_rows
+    local = len(kv) // shard.head_dim
+    q_local = shard.heads // shard.size // local
+    return HeadShare(shard.kv_heads, shard.heads, kv.start // shard.head_dim, local, q_local,
+                     lambda x: _checked(dist.all_reduce, x) or x)
+
+
 def _checked(fn, *args):
     try:
         return fn(*args)
@@ -293,6 +306,7 @@ def worker_main(rank: int, size: int, init_method: str, spec: WorkerSpec) -> Non
     """A worker rank: build its model slice, then its store from rank 0's description, then one forward per message
     until told to stop (None). Any error ends the process: rank 0's next collective sees it."""
     from kvcache.attention.backend import with_backend_write
+    from kvcache.engine.eviction import Evictor, WorkerEvictor
     from kvcache.engine.model_runner import ModelRunner
     from kvcache.models.loader import read_checkpoint
     from kvcache.store.quantized_store import make_store
@@ -304,15 +318,19 @@ def worker_main(rank: int, size: int, init_method: str, spec: WorkerSpec) -> Non
     _init(rank, size, init_method, spec.device_type)
     model = build_shard(read_checkpoint(spec.model), rank, size, spec.max_model_len, device, getattr(torch, spec.dtype),
                         spec.quantization)
-    store_args, backend = _receive()
+    store_args, backend, layer_group, windows = _receive()
     store = with_backend_write(make_store(device=device, **store_args), backend)
-    runner = ModelRunner(model, store, None, device, backend)
+    runner = ModelRunner(model, store, None, device, backend, layer_group, windows)
+    evictor = WorkerEvictor(Evictor(store, None, len(model.layers), model.kv_layout[0], model.layers[0].scale, device,
+                                    layer_group, head_share(model.tp.shard)))
     with torch.inference_mode():
         while (msg := _receive()) is not None:
-            ops, specs, logit_rows = msg
+            ops, specs, logit_rows, evicting, group_tables = msg
             for name, args in ops:
                 getattr(store, name)(*args)
-            runner.forward(specs, logit_rows)
+            runner.forward(specs, logit_rows, group_tables)
+            if evicting:  # rank 0's eviction plans for this step, applied to this rank's heads
+                evictor.run(*_receive(), runner.captured)
     dist.destroy_process_group()
 
 
@@ -411,14 +429,22 @@ class TensorParallel:
             self._kill()
             raise RankDiedError(f"tensor-parallel start-up failed: {box[0]}") from box[0]
 
-    def send_store(self, store_args: tuple, backend: str) -> None:
-        """Tell the workers how to build their stores (rank 0 sized the pool)."""
-        self._send((store_args, backend))
+    def send_store(self, store_args: dict, backend: str, layer_group: list[int] | None,
+                   windows: list[int | None] | None) -> None:
+        """Tell the workers how to build their stores (rank 0 sized the pool) and, with per-layer-group tables,
+        each layer's group and each group's window."""
+        self._send((store_args, backend, layer_group, windows))
 
-    def send_step(self, specs, logit_rows) -> None:
-        """Broadcast one forward (and the store operations queued before it)."""
-        self._send((self.pending, specs, logit_rows))
+    def send_step(self, specs, logit_rows, evicting: bool = False, group_tables=None) -> None:
+        """Broadcast one forward (and the store operations queued before it); `evicting`: eviction's plans follow
+        it (send_eviction), once the forward has run; `group_tables`: each layer group's tables of the chunks."""
+        self._send((self.pending, specs, logit_rows, evicting, group_tables))
         self.pending = []
+
+    def send_eviction(self, works, live: list[int]) -> None:
+        """Broadcast a step's eviction plans (engine/eviction.py's EvictionWork) and the sequences whose eviction
+        states the workers keep."""
+        self._send((works, live))
 
     def queue(self, name: str, *args) -> None:
         self.pending.append((name, args))

@@ -22,7 +22,7 @@ from kvcache.attention.backend import resolve_backend, with_backend_write
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
 from kvcache.distributed.tensor_parallel import (MirroredStore, RankDiedError, TensorParallel, build_shard,
-                                                 check_tensor_parallel, serve_as_launched_worker)
+                                                 check_tensor_parallel, head_share, serve_as_launched_worker)
 from kvcache.engine.cuda_graphs import DecodeGraphPlan
 from kvcache.engine.draft import DraftProposer, read_draft
 from kvcache.engine.eviction import Evictor, seq_chunk
@@ -198,8 +198,9 @@ class LLMEngine:
             self.runner.all_threads = self.runner.small_step_threads = self.tp.threads  # set in each forward
         if self.drafter is not None:
             self.drafter.make_cache(self.capacity.num_blocks + 1, config.block_size)
-        self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.shape.num_kv_heads,
-                               self.model.layers[0].scale, self.device, self._layer_group)
+        self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.model.kv_layout[0],
+                               self.model.layers[0].scale, self.device, self._layer_group,
+                               head_share(self.model.tp.shard) if self.tp else None, self.tp)
         self.eos_token_ids = self._eos_ids(hf)
         self._sampler_eos = next(iter(self.eos_token_ids), None)  # the EOS min_tokens forbids
         self.requests: dict[str, Request] = {}
@@ -232,7 +233,8 @@ class LLMEngine:
                   head_dim=head_dim, kv_cache_dtype=self.kv_dtype, compute_dtype=self.dtype,
                   expected_bytes_per_token=bytes_per_token, latent=latent, layer_slots=slots)
         if self.tp is not None and bytes_per_token is not None:  # the pool's store: the workers build theirs alike
-            self.tp.send_store(kw, self.backend)
+            self.tp.send_store(kw, self.backend, self._layer_group,
+                               [g.window for g in self.layer_groups] if self.layer_groups else None)
         return with_backend_write(make_store(device=self.device, **kw), self.backend)
 
     def peak_blocks(self, tokens: int) -> int:
@@ -502,16 +504,32 @@ class LLMEngine:
         self.stats.steps += 1
         used = self.kv.pool.num_usable - self.kv.num_free_blocks  # before eviction: the step's true peak
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
-        row = 0  # into the queries captured for eviction, in chunk order
-        for (seq, _), spec in zip(chunks, specs):
-            if seq.eviction:  # after cache_blocks: a compaction leaves the prompt's blocks to the prefix cache
-                r = len(spec.capture)
-                queries = [q[row:row + r] for q in self.runner.captured]
-                row += r
-                if not seq.is_finished:
-                    self._isolated(seq, "evicting its KV tokens", self.evictor.after_forward, seq.seq_id,
-                                   seq.eviction, spec, queries, seq.num_computed_tokens)
+        if any(seq.eviction for seq, _ in chunks):  # after cache_blocks: a compaction leaves the prompt's blocks
+            self._evict(chunks, specs)  # to the prefix cache
         return self._sample_and_append(sampled, logits)
+
+    def _evict(self, chunks: list[tuple[Sequence, int]], specs: list[SeqChunk]) -> None:
+        """Each evicting sequence's eviction after the step's forward, in eviction.py's two phases. Under tensor
+        parallelism a failure in the second fails the engine: the ranks' collectives would be out of step."""
+        works, row = [], 0  # row: into the queries captured for eviction, in chunk order
+        for (seq, _), spec in zip(chunks, specs):
+            if seq.eviction:
+                if not seq.is_finished:
+                    self._isolated(seq, "evicting its KV tokens", lambda s=seq, c=spec, r=row: works.append(
+                        (s, self.evictor.plan(s.seq_id, s.eviction, c, s.num_computed_tokens, r))))
+                row += len(spec.capture)
+        live = [s.seq_id for r in self.requests.values() for s in r.seqs if s.eviction and not s.is_finished]
+        self.evictor.send([w for _, w in works], live)
+        for seq, work in works:
+            queries = [q[work.rows.start:work.rows.stop] for q in self.runner.captured]
+            if self.tp is None:
+                self._isolated(seq, "evicting its KV tokens", self.evictor.apply, work, seq.eviction, queries)
+                continue
+            try:
+                self.evictor.apply(work, seq.eviction, queries)
+            except Exception as e:
+                raise RankDiedError(f"eviction failed on rank 0 ({type(e).__name__}: {e}); the ranks' collectives "
+                                    "are out of step") from e
 
     def _isolated(self, seq: Sequence, what: str, fn, *args) -> None:
         """fn(*args); if it raises, only `seq`'s request fails."""
@@ -819,7 +837,7 @@ class LLMEngine:
                 c = seq_chunk(seq_id, token_ids[done:e], done - evicted, self.kv.block_tables[seq_id], True,
                               self.kv.private_blocks.get(seq_id, []), state)
                 # a chunk wholly before `start` gets an empty range of logit rows
-                out.append(self.runner.run_chunk(c, range(max(done, start) - done, e - done)))
+                out.append(self.runner.run_chunk(c, range(max(done, start) - done, e - done), state is not None))
                 done = e
                 if state is not None:
                     self.evictor.after_forward(seq_id, state, c, self.runner.captured, done)

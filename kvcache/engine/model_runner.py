@@ -23,14 +23,18 @@ SMALL_STEP_ROWS = 4  # at most this many tokens in a step: decode of a few seque
 class ModelRunner:
     """Owns the model and the KV store; knows nothing of queues or requests."""
 
-    def __init__(self, model: LlamaModel, store: KVStore | QuantizedKVStore, kv: KVCacheManager | GroupedKVCacheManager,
-                 device: torch.device, backend: str = "torch", layer_group: list[int] | None = None) -> None:
-        """`layer_group` (with a GroupedKVCacheManager): each layer's group, whose tables it reads."""
+    def __init__(self, model: LlamaModel, store: KVStore | QuantizedKVStore,
+                 kv: KVCacheManager | GroupedKVCacheManager | None, device: torch.device, backend: str = "torch",
+                 layer_group: list[int] | None = None, windows: list[int | None] | None = None) -> None:
+        """`layer_group` (with a GroupedKVCacheManager): each layer's group, whose tables it reads. A tensor-parallel
+        worker has no manager (`kv` None): rank 0's chunks carry the tables, and with `layer_group` each group's
+        (`windows`: each group's sliding window)."""
         self.model, self.store, self.kv, self.device = model, store, kv, device
-        grouped = isinstance(kv, GroupedKVCacheManager)
+        grouped = isinstance(kv, GroupedKVCacheManager) or (kv is None and windows is not None)
         if grouped != (layer_group is not None):
             raise ValueError("per-layer-group tables need both a GroupedKVCacheManager and each layer's group")
         self.layer_group = layer_group
+        self.windows = kv.windows if isinstance(kv, GroupedKVCacheManager) else windows
         self.backend = backend  # see attention/backend.py
         self.decode_kernel = backend in ("cpu", "triton")
         # CPU threads for steps of at most SMALL_STEP_ROWS tokens (None: every step uses all of torch's threads);
@@ -38,7 +42,7 @@ class ModelRunner:
         self.small_step_threads: int | None = None
         self.all_threads = torch.get_num_threads()
         self.tables = DeviceBlockTables(device)  # the device copy of kv's block tables, updated by diffs
-        self.group_tables = [DeviceBlockTables(device) for _ in kv.groups] if grouped else []
+        self.group_tables = [DeviceBlockTables(device) for _ in self.windows] if grouped else []
         self.kivi = None
         self.captured: list[torch.Tensor] = []
         self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs once captured: pure-decode steps replay them
@@ -64,17 +68,19 @@ class ModelRunner:
                 if seq.draft:  # a speculating decode: every proposed token is verified, each row as a decode
                     specs[-1].num_logits, specs[-1].as_decodes = 1 + len(seq.draft), True
                 sampled.append(seq)
-        return sampled, self._forward(specs), specs
+        return sampled, self._forward(specs, evicting=any(seq.eviction for seq, _ in chunks)), specs
 
-    def forward(self, specs: list[SeqChunk], logit_rows: range | None = None) -> torch.Tensor:
+    def forward(self, specs: list[SeqChunk], logit_rows: range | None = None,
+                group_tables: list[list[list[int]]] | None = None) -> torch.Tensor:
         """Run chunks whose blocks are allocated; fp32 logits of each chunk's last num_logits rows, in order, or of
         `logit_rows` (batch rows). A tensor-parallel worker runs rank 0's forwards so: it has no manager, the chunks
-        carry the tables."""
-        return self._forward(specs, logit_rows)
+        carry the tables, and `group_tables` each group's (per group, per chunk)."""
+        return self._forward(specs, logit_rows, group_tables=group_tables)
 
-    def run_chunk(self, chunk: SeqChunk, logit_rows: range) -> torch.Tensor:
-        """Run one chunk of a sequence whose blocks are allocated; fp32 logits of `logit_rows` (chunk rows)."""
-        return self._forward([chunk], logit_rows)
+    def run_chunk(self, chunk: SeqChunk, logit_rows: range, evicting: bool = False) -> torch.Tensor:
+        """Run one chunk of a sequence whose blocks are allocated; fp32 logits of `logit_rows` (chunk rows)
+        (`evicting`: the sequence has an eviction policy, whose plans follow the forward under tensor parallelism)."""
+        return self._forward([chunk], logit_rows, evicting)
 
     def _batch(self, specs: list[SeqChunk], kv: KVCacheManager | None, tables: DeviceBlockTables,
                windows: tuple[int | None, ...]) -> ForwardBatch:
@@ -85,11 +91,18 @@ class ModelRunner:
         batch.backend = self.backend
         return batch
 
-    def _grouped_batch(self, specs: list[SeqChunk]) -> ForwardBatch:
-        """One batch per layer group, on that group's tables; the first group's carries the others per layer."""
+    def group_tables_of(self, specs: list[SeqChunk]) -> list[list[list[int]]]:
+        """Each group's table of each chunk's sequence (what a tensor-parallel worker is sent)."""
+        return [[m.block_tables[c.seq_id] for c in specs] for m in self.kv.groups]
+
+    def _grouped_batch(self, specs: list[SeqChunk], group_tables: list[list[list[int]]] | None) -> ForwardBatch:
+        """One batch per layer group, on that group's tables (the manager's, or `group_tables` without one); the
+        first group's carries the others per layer."""
         batches = []
-        for m, w, tables in zip(self.kv.groups, self.kv.windows, self.group_tables):
-            own = [dataclasses.replace(c, block_table=m.block_tables[c.seq_id]) for c in specs]
+        for g, (w, tables) in enumerate(zip(self.windows, self.group_tables)):
+            m = self.kv.groups[g] if self.kv is not None else None
+            own = [dataclasses.replace(c, block_table=m.block_tables[c.seq_id] if m else group_tables[g][i])
+                   for i, c in enumerate(specs)]
             batches.append(self._batch(own, m, tables, (w,)))
         batch = batches[0]
         for b in batches[1:]:  # every layer appends the queries eviction asked for to one list, in layer order
@@ -103,9 +116,10 @@ class ModelRunner:
             return [(self.kv, self.tables)]
         return list(zip(self.kv.groups, self.group_tables))
 
-    def _forward(self, specs: list[SeqChunk], logit_rows: range | None = None) -> torch.Tensor:
+    def _forward(self, specs: list[SeqChunk], logit_rows: range | None = None, evicting: bool = False,
+                 group_tables: list[list[list[int]]] | None = None) -> torch.Tensor:
         if self.tp is not None:  # rank 0 of a tensor-parallel group: every rank runs this forward
-            self.tp.send_step(specs, logit_rows)
+            self.tp.send_step(specs, logit_rows, evicting, self.group_tables_of(specs) if self.layer_group else None)
             try:
                 return self._local_forward(specs, logit_rows)
             except RankDiedError:
@@ -114,16 +128,17 @@ class ModelRunner:
             except Exception as e:  # the other ranks are inside (or past) collectives this rank will not join
                 raise RankDiedError(f"a tensor-parallel forward failed midway on rank 0 ({type(e).__name__}: {e}); "
                                     "the ranks' collectives are out of step") from e
-        return self._local_forward(specs, logit_rows)
+        return self._local_forward(specs, logit_rows, group_tables)
 
-    def _local_forward(self, specs: list[SeqChunk], logit_rows: range | None) -> torch.Tensor:
+    def _local_forward(self, specs: list[SeqChunk], logit_rows: range | None,
+                       group_tables: list[list[list[int]]] | None = None) -> torch.Tensor:
         if self.graphs is not None and logit_rows is None:
             logits = self.graphs.run(specs, self.graph_tables())
             if logits is not None:
                 self.captured = []
                 return logits
         if self.layer_group is not None:
-            batch = self._grouped_batch(specs)
+            batch = self._grouped_batch(specs, group_tables)
         else:
             batch = self._batch(specs, self.kv, self.tables, self.model.windows)
         if self.small_step_threads is not None:  # every forward (steps, scoring chunks) sets its own thread count

@@ -212,8 +212,7 @@ def single_table_reason(config: EngineConfig, kv_dtype: str) -> str | None:
     reasons = {"kv_cache_dtype " + kv_dtype + "'s fp16 key residual (KIVI)": KV_DTYPES[kv_dtype].scales == "kivi",
                "the KV offload tiers": bool(config.kv_offload_memory or config.kv_offload_dir or config.kv_remote),
                "--preemption-mode swap": config.preemption_mode == "swap",
-               "KV events": bool(config.kv_events_endpoint), "speculative decoding": config.speculative is not None,
-               "tensor parallelism (its workers build batches from one table)": config.tensor_parallel_size > 1}
+               "KV events": bool(config.kv_events_endpoint), "speculative decoding": config.speculative is not None}
     on = [name for name, yes in reasons.items() if yes]
     return f"{' and '.join(on)} need one block table of every layer" if on else None
 

@@ -81,7 +81,7 @@ def test_attention_probs_are_causal_distributions_with_gqa_grouping():
     # query head 3 reads KV head 1 (4 query heads over 2 KV heads)
     ref = torch.softmax(q[1, 3] @ k[:8, 1].T * 0.5, -1)
     torch.testing.assert_close(p[3, 1, :8], ref)
-    torch.testing.assert_close(group_mean(p, KVH)[1], p[2:].mean(0))
+    torch.testing.assert_close(group_mean(p, _state(None, 4, 10))[1], p[2:].mean(0))
 
 
 def test_top_slots_keeps_forced_slots_and_sorts():

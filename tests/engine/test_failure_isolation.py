@@ -131,13 +131,13 @@ def test_an_eviction_fault_fails_only_its_request(engine, monkeypatch):
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params, eviction=spec)
     clean = run(engine, {})
-    real = engine.evictor.after_forward
+    real = engine.evictor.apply
 
-    def faulty(seq_id, state, chunk, queries, num_computed):
+    def faulty(work, state, queries):
         if state.prompt_len == 61:
             raise IndexError("injected eviction fault")
-        return real(seq_id, state, chunk, queries, num_computed)
-    monkeypatch.setattr(engine.evictor, "after_forward", faulty)
+        return real(work, state, queries)
+    monkeypatch.setattr(engine.evictor, "apply", faulty)
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params, eviction=spec)
     engine.add_request("bad", [40 + i % 50 for i in range(61)], SamplingParams(temperature=0, max_tokens=8),

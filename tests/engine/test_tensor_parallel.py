@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig
 
 from kvcache import LLM, SamplingParams
+from kvcache.compress.spec import POLICIES, EvictionSpec
 from kvcache.engine.llm_engine import EngineDeadError
 from kvcache.plan.kv_bytes import kv_bytes_per_token
 from kvcache.plan.shape import shape_from_config
@@ -104,8 +105,79 @@ def test_bad_sizes_are_refused_before_loading_with_the_numbers(tiny_model_dirs):
         LLM(path, tensor_parallel_size=0, **KW)
     with pytest.raises(ValueError, match="runs the llama, mistral, qwen2, qwen3 architectures, not gemma2"):
         LLM(tiny_model_dirs["gemma2"], tensor_parallel_size=2, **KW)
-    with pytest.raises(ValueError, match="cannot be combined with kv_eviction h2o yet"):
-        LLM(path, tensor_parallel_size=2, kv_eviction="h2o", kv_budget=32, **KW)
+    with pytest.raises(ValueError, match="cannot be combined with the KV offload tiers yet"):
+        LLM(path, tensor_parallel_size=2, kv_offload_memory="1MiB", **KW)
+
+
+def _evicting(engine, prompts, specs, params) -> list[list[int]]:
+    """Each prompt with its own eviction (all in one continuous batch), stepped to the end: their tokens."""
+    for i, (p, spec) in enumerate(zip(prompts, specs)):
+        engine.add_request(str(i), p, params, eviction=spec)
+    done = engine.run_to_completion()
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+# llama: one KV head per rank with all its query heads (h2o, snapkv and pyramidkv score per head on each rank alone;
+# tova's mean over a layer's heads is all-reduced); llama-mqa-tied: its one KV head on both ranks, each with half of
+# its query heads, so every per-head score is all-reduced before the ranks select
+@pytest.mark.parametrize("arch", ["llama", "llama-mqa-tied"])
+def test_every_eviction_policy_on_two_ranks_keeps_one_ranks_tokens(tiny_model_dirs, tp_llm, arch):
+    """Every policy at once in one batch (prompts past the 40-token budget, 16-token blocks, chunked prefill: decode-time
+    policies compact again every block): the tokens of one rank, as many tokens evicted and blocks freed, no leak."""
+    path = tiny_model_dirs[arch]
+    policies = [p for p in POLICIES if p != "none"]
+    specs = [EvictionSpec(p, 40) for p in policies]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in torch.randint(60, 100, (len(specs),),
+                                                                                               generator=g)]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    one = LLM(path, **KW)
+    two = tp_llm(path)
+    tokens = _evicting(two.engine, prompts, specs, greedy)
+    assert tokens == _evicting(one.engine, prompts, specs, greedy)
+    a, b = one.kv_cache_info(), two.kv_cache_info()
+    assert b["eviction_compactions"] >= 2 * len(specs)  # the prompt's, and the decode-time policies' again
+    for k in ("evicted_tokens", "eviction_freed_blocks", "eviction_compactions"):
+        assert b[k] == a[k], k
+    # a tiny random model's greedy tokens barely depend on which tokens a cache kept: its logits do (score runs one
+    # sequence's chunks with a policy; a rank that kept other tokens gives other logits)
+    for prompt, out, spec in zip(prompts, tokens, specs):
+        ids = prompt + out
+        got, want = (llm.engine.score(ids, len(prompt) - 1, chunk_size=32, eviction=spec) for llm in (two, one))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=spec.policy)
+    two.engine.check_no_leaks()
+    assert two.engine.tp.procs[0].poll() is None
+
+
+def test_per_layer_group_tables_on_two_ranks(tiny_model_dirs, tp_llm):
+    """A model mixing full and sliding layers keeps a table per group on every rank (the chunks carry each group's
+    tables to the worker): the sliding group gives back blocks behind its window, the tokens are one rank's and
+    transformers'; and --kv-eviction pyramidkv (a table per layer, dead leading blocks given back) likewise."""
+    path = tiny_model_dirs["qwen2-swa"]  # window 24: layer 0 full, layer 1 sliding
+    prompts = [p * 4 for p in _prompts(seed=4, n=3)]
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    kw = dict(max_model_len=400, kv_cache_memory="2MiB")
+    one, two = LLM(path, **{**KW, **kw}), tp_llm(path, **kw)
+    assert [g.window for g in two.engine.layer_groups] == [None, 24]
+    freed = []
+    real = two.engine.kv.slide
+    two.engine.kv.slide = lambda seq_id, n: freed.extend(real(seq_id, n)) or freed
+    got = _tokens(two, prompts, greedy)
+    assert got == _tokens(one, prompts, greedy)
+    assert [t[0] for t in got] == [hf_greedy(hf_model(path), p, 60) for p in prompts]
+    assert freed  # out-of-window blocks went back to the pool while the requests ran
+    two.engine.check_no_leaks()
+    two.engine.close()  # one process group per process
+
+    path = tiny_model_dirs["llama"]
+    kw = dict(kv_eviction="pyramidkv", kv_budget=40, max_model_len=240)
+    one, two = LLM(path, **{**KW, **kw}), tp_llm(path, **kw)
+    assert len(two.engine.layer_groups) == two.engine.shape.num_layers
+    prompts = [torch.randint(3, 300, (90,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]
+    assert _tokens(two, prompts, greedy) == _tokens(one, prompts, greedy)
+    a, b = one.kv_cache_info(), two.kv_cache_info()
+    assert b["eviction_freed_blocks"] == a["eviction_freed_blocks"] > 0
+    two.engine.check_no_leaks()
 
 
 def test_ngram_speculation_on_two_ranks(tiny_model_dirs, tp_llm):
