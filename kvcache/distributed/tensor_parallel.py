@@ -330,7 +330,10 @@ def worker_main(rank: int, size: int, init_method: str, spec: WorkerSpec) -> Non
                 getattr(store, name)(*args)
             runner.forward(specs, logit_rows, group_tables)
             if evicting:  # rank 0's eviction plans for this step, applied to this rank's heads
-                evictor.run(*_receive(), runner.captured)
+                ops, works, live = _receive()
+                for name, args in ops:
+                    getattr(store, name)(*args)
+                evictor.run(works, live, runner.captured)
     dist.destroy_process_group()
 
 
@@ -442,9 +445,11 @@ class TensorParallel:
         self.pending = []
 
     def send_eviction(self, works, live: list[int]) -> None:
-        """Broadcast a step's eviction plans (engine/eviction.py's EvictionWork) and the sequences whose eviction
-        states the workers keep."""
-        self._send((works, live))
+        """Broadcast a step's eviction plans (engine/eviction.py's EvictionWork), the sequences whose eviction
+        states the workers keep, and the store operations queued since the forward (a request failed in between
+        scrubbed its blocks, which a compaction of this step may take as fresh ones: zeroed first, as on rank 0)."""
+        self._send((self.pending, works, live))
+        self.pending = []
 
     def queue(self, name: str, *args) -> None:
         self.pending.append((name, args))

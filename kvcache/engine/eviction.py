@@ -124,9 +124,24 @@ class Evictor:
                       num_computed: int) -> None:
         """Both phases for one sequence (`queries`: its captured ones, [r, H, D] per layer; `num_computed`: its
         tokens computed, this chunk included)."""
-        work = self.plan(seq_id, state, chunk, num_computed, 0)
-        self.send([work], [seq_id])
-        self.apply(work, state, queries)
+        work = None
+        try:
+            work = self.plan(seq_id, state, chunk, num_computed, 0)
+        finally:  # the workers wait for this step's plans, however planning went
+            self.send([work] if work is not None else [], [seq_id])
+        self.apply_in_step(work, state, queries)
+
+    def apply_in_step(self, work: EvictionWork, state: EvictionState, queries: list[torch.Tensor]) -> None:
+        """`apply`; under tensor parallelism a failure is the group's (RankDiedError): the other ranks applied the
+        same plan, and may wait in its collectives."""
+        if self.tp is None:
+            return self.apply(work, state, queries)
+        from kvcache.distributed.tensor_parallel import RankDiedError
+        try:
+            self.apply(work, state, queries)
+        except Exception as e:
+            raise RankDiedError(f"eviction failed on rank 0 ({type(e).__name__}: {e}); the ranks' collectives "
+                                "are out of step") from e
 
     def plan(self, seq_id: int, state: EvictionState, chunk: SeqChunk, num_computed: int, row: int) -> EvictionWork:
         """Phase 1 (rank 0): what `apply` must do for `chunk` of `seq_id`, whose captured queries start at `row` of

@@ -524,12 +524,8 @@ class LLMEngine:
             queries = [q[work.rows.start:work.rows.stop] for q in self.runner.captured]
             if self.tp is None:
                 self._isolated(seq, "evicting its KV tokens", self.evictor.apply, work, seq.eviction, queries)
-                continue
-            try:
-                self.evictor.apply(work, seq.eviction, queries)
-            except Exception as e:
-                raise RankDiedError(f"eviction failed on rank 0 ({type(e).__name__}: {e}); the ranks' collectives "
-                                    "are out of step") from e
+            else:
+                self.evictor.apply_in_step(work, seq.eviction, queries)
 
     def _isolated(self, seq: Sequence, what: str, fn, *args) -> None:
         """fn(*args); if it raises, only `seq`'s request fails."""

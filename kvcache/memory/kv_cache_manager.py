@@ -395,7 +395,8 @@ class KVCacheManager:
         if parent_id in self._seqs:
             p = self._seqs[parent_id]
             # Hashes and cached blocks only up to the fork point: after it the child's tokens are its own.
-            child = _SeqCache(p.extra, p.hashes[:n_full], min(p.num_cached, n_full), p.node, p.locked)
+            child = _SeqCache(p.extra, p.hashes[:n_full], min(p.num_cached, n_full), p.node, p.locked,
+                              stopped=p.stopped)  # (its leading blocks may be given back past num_cached)
             self._seqs[child_id] = child
             if child.locked:
                 self.radix.lock(p.node)

@@ -134,6 +134,30 @@ def test_window_prefix_lookup_on_the_manager():
     assert kv.num_free_blocks == kv.pool.num_usable
 
 
+def test_a_fork_of_a_sequence_that_stopped_caching_keeps_giving_back_its_window():
+    """Seq 4 repeats seq 1's tokens and stops caching where it meets seq 1's block under another parent; its sliding
+    groups give back past what it cached. Its fork must know (it holds null entries there): it grows, caches and
+    slides without touching the null block, and holds only its window."""
+    bs, window = 4, 6
+    kv = GroupedKVCacheManager(1 + 48, bs, [None, window, window], "hash")
+    tokens = [1] * 200
+    for s, n in ((1, 21), (4, 1), (4, 41)):
+        assert kv.allocate(s, n, kv.find_prefix(s, tokens[:n]) if s == 1 else None)
+        kv.cache_blocks(s, tokens, n)
+        kv.slide(s, n)
+    kv.fork(4, 7, 41)
+    kv.free(1)
+    assert kv.allocate(7, 50)
+    kv.cache_blocks(7, tokens, 50)
+    kv.slide(7, 50)
+    for m, w in zip(kv.groups, kv.windows):
+        if w is not None:
+            assert all(b == BlockPool.NULL_BLOCK for b in m.block_tables[7][:(50 - w + 1) // bs])
+    for s in (4, 7):
+        kv.free(s)
+    assert kv.num_free_blocks == kv.pool.num_usable
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "fork"]), st.integers(0, 5),
                               st.integers(1, 40)), min_size=1, max_size=40))
