@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default="128MiB", help="per replica (the demo: 2,900 tokens; a quarter of the "
                    "system prompts fits beside the running requests, all of them do not)")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--routing-balance", type=float, default=0.5, help="kv-aware's --routing-balance")
+    p.add_argument("--routing-balance", type=float, default=4, help="kv-aware's --routing-balance")
     p.add_argument("--groups", type=int, default=16, help="shared-prefix: system prompts")
     p.add_argument("--users", type=int, default=8, help="shared-prefix: requests per system prompt")
     p.add_argument("--prefix-len", type=int, default=256, help="words of each system prompt")

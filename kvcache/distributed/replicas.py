@@ -8,8 +8,9 @@ router.
   streaming included. `--routing kv-aware` (the default) keeps an approximate prefix index, as SGLang's router does:
   the prompt (token ids in blocks of 16, text in blocks of 64 characters, chat messages as their JSON) is hashed
   block by block into a chain, each chain hash remembering the replicas it was sent to; a request goes to the
-  replica whose cost is least: the blocks it would prefill there plus `--routing-balance` x its requests in flight
-  x the mean request's blocks (PrefixRouter). `round-robin` is the baseline. A replica with the shared Redis tier configured (--kv-remote) still loads a prefix it misses from the
+  replica it shares its longest prefix with (half its blocks at least) unless that one has more than
+  `--routing-balance` requests in flight above the least loaded, and a new prefix to the replica holding the fewest
+  prefix blocks (PrefixRouter: SGLang's cache-aware rule). `round-robin` is the baseline. A replica with the shared Redis tier configured (--kv-remote) still loads a prefix it misses from the
   tier, so a misrouted request costs a load, not a prefill.
 - GET /metrics merges every replica's metrics with a `replica` label, plus the router's own counters
   (`kvcache:router_requests_total{decision}`, `kvcache:router_prefix_hit_routed_total`,
@@ -60,26 +61,29 @@ def prefix_keys(body: dict) -> list[bytes]:
 class PrefixRouter:
     """Which replica a request goes to (no I/O: the ingress keeps the in-flight counts and KV usage it reads).
 
-    KV-aware cost of replica r for a request of n blocks: the blocks r would prefill (those past the longest prefix
-    of the request r was sent before) plus `balance` x the requests r has in flight x the mean request's blocks (the
-    work queued ahead of it); the cheapest replica wins, ties to the least loaded. A request whose prefix one replica
-    holds stays there while it is not much busier; a prefix that every replica holds (a common system prompt) costs
-    nothing anywhere, so those requests spread by load."""
+    KV-aware, SGLang's cache-aware rule (its router's and vllm-router's default) at this scale:
+    - a request whose longest prefix some replica was sent (at least CACHE_SHARE of its blocks) goes to that replica,
+      unless it has more than `balance` requests in flight above the least-loaded one: then to the least loaded;
+    - any other request (a new prefix) goes to the replica holding the fewest prefix blocks (its "smallest tree"),
+      so that distinct prefixes spread evenly over the replicas' caches instead of piling where load last dipped;
+    - ties go to the least loaded, then the least KV usage.
+    A prefix every replica holds (a common system prompt) matches everywhere alike, so those requests spread by load."""
 
-    def __init__(self, num_replicas: int, policy: str = "kv-aware", balance: float = 0.5) -> None:
+    CACHE_SHARE = 0.5  # SGLang's --cache-threshold default
+
+    def __init__(self, num_replicas: int, policy: str = "kv-aware", balance: float = 4) -> None:
         if policy not in ("kv-aware", "round-robin"):
             raise ValueError(f"routing must be kv-aware or round-robin, got {policy!r}")
         if not balance >= 0:
             raise ValueError(f"routing balance must be >= 0, got {balance}")
         self.n, self.policy, self.balance = num_replicas, policy, balance
         self.index: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> bit mask of the replicas sent it
+        self.held = [0] * num_replicas  # chain hashes in the index per replica (its record's size)
         self.inflight = [0] * num_replicas
         self.kv_usage = [0.0] * num_replicas
         self.down_until = [0.0] * num_replicas
         self.next = 0
-        self.mean_blocks = 0.0  # of the requests routed so far (a running mean)
-        self.routed_requests = 0
-        self.decisions = {"prefix": 0, "least_loaded": 0, "round_robin": 0}
+        self.decisions = {"prefix": 0, "least_loaded": 0, "smallest_cache": 0, "round_robin": 0}
 
     def up(self) -> list[int]:
         now = time.monotonic()
@@ -110,22 +114,33 @@ class PrefixRouter:
                     self.decisions["round_robin"] += 1
                     return i
         depth = self.matched(keys)
-        weight = self.balance * max(self.mean_blocks, 1.0)
-        cost = {r: len(keys) - depth[r] + weight * self.inflight[r] for r in live}
-        best = min(live, key=lambda r: (cost[r], self.inflight[r], self.kv_usage[r]))
-        self.decisions["prefix" if depth[best] and depth[best] == max(depth[r] for r in live) else "least_loaded"] += 1
-        return best
+        least = min(self.inflight[r] for r in live)
+        deepest = max(depth[r] for r in live)
+        if keys and deepest >= self.CACHE_SHARE * len(keys):
+            holders = [r for r in live if depth[r] == deepest]
+            near = [r for r in holders if self.inflight[r] - least <= self.balance]
+            if near:
+                self.decisions["prefix"] += 1
+                return min(near, key=lambda r: (self.inflight[r], self.kv_usage[r]))
+            self.decisions["least_loaded"] += 1
+            return min(live, key=lambda r: (self.inflight[r], self.kv_usage[r]))
+        self.decisions["smallest_cache"] += 1
+        return min(live, key=lambda r: (self.held[r], self.inflight[r], self.kv_usage[r]))
 
     def routed(self, keys: list[bytes], replica: int) -> None:
         """Remember that `replica` now holds these prefixes."""
         bit = 1 << replica
         for k in keys:
-            self.index[k] = self.index.get(k, 0) | bit
+            mask = self.index.get(k, 0)
+            if not mask & bit:
+                self.held[replica] += 1
+            self.index[k] = mask | bit
             self.index.move_to_end(k)
         while len(self.index) > INDEX_ENTRIES:
-            self.index.popitem(last=False)
-        self.routed_requests += 1
-        self.mean_blocks += (len(keys) - self.mean_blocks) / self.routed_requests
+            _, mask = self.index.popitem(last=False)
+            for r in range(self.n):
+                if mask >> r & 1:
+                    self.held[r] -= 1
 
 
 def relabel(text: str, replica: int, keep_meta: bool) -> list[str]:

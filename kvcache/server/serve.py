@@ -34,9 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin"],
                    help="with --replicas: send a request to the replica holding its longest prefix (balanced against "
                         "requests in flight), or round-robin")
-    p.add_argument("--routing-balance", type=float, default=0.5,
-                   help="kv-aware: what a request in flight on a replica costs, in mean requests' prefill, against "
-                        "the blocks a request would prefill there (0: prefix only; larger: spread by load)")
+    p.add_argument("--routing-balance", type=float, default=4,
+                   help="kv-aware: requests in flight a replica holding a request's prefix may have above the least "
+                        "loaded one and still get it (SGLang's --balance-abs-threshold; 0: spread by load)")
 
 
 def model_name(path: str | None, given: str | None) -> str:

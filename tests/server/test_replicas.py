@@ -20,7 +20,7 @@ from live_server import free_port
 
 
 def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
-    r = PrefixRouter(3, "kv-aware", balance=0.5)
+    r = PrefixRouter(3, "kv-aware", balance=2)
     a = prefix_keys({"model": "m", "prompt": list(range(40))})  # 3 blocks of 16 ids
     assert len(a) == 3
     first = r.choose(a)
@@ -28,15 +28,31 @@ def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
     longer = prefix_keys({"model": "m", "prompt": list(range(40)) + [7] * 20})
     assert longer[:2] == a[:2] and r.choose(longer) == first and r.decisions["prefix"] == 1
     assert prefix_keys({"model": "other", "prompt": list(range(40))})[0] != a[0]  # models never share
-    # 3 requests in flight there cost 0.5 x 3 x 3 blocks = 4.5 blocks of queued prefill, more than the 2 blocks the
-    # request would save: an idle replica takes it
-    r.inflight[first] = 3
-    assert r.choose(longer) != first and r.decisions["least_loaded"] == 2
-    r.inflight[first] = 1  # 1.5 blocks queued against 2 saved: it stays
+    # up to `balance` more requests in flight than the least-loaded replica: the prefix's replica keeps it
+    r.inflight[first] = 2
     assert r.choose(longer) == first
+    r.inflight[first] = 3  # more: the least loaded takes it
+    assert r.choose(longer) != first and r.decisions["least_loaded"] == 1
     r.inflight[first] = 0
     r.down_until[first] = time.monotonic() + 60  # unreachable a moment ago: skipped
     assert r.choose(longer) != first
+    r.down_until[first] = 0
+    # a new prefix goes to the replica with the fewest prefix blocks, even a busier one: prefixes spread over the
+    # caches evenly (SGLang's smallest tree)
+    r.inflight = [0, 0, 0]
+    r.inflight[(first + 1) % 3] = 5
+    fresh = [prefix_keys({"model": "m", "prompt": [g] * 40}) for g in range(1, 3)]
+    seen, before = [], r.decisions["smallest_cache"]
+    for keys in fresh:
+        seen.append(r.choose(keys))
+        r.routed(keys, seen[-1])
+    assert sorted(seen + [first]) == [0, 1, 2] and r.decisions["smallest_cache"] == before + 2
+    assert r.held == [3, 3, 3]
+    # a request sharing under half its blocks with any replica is a new prefix too
+    half = prefix_keys({"model": "m", "prompt": list(range(16)) + [9] * 40})  # 4 blocks, the first one first's
+    assert r.matched(half)[first] == 1
+    r.choose(half)
+    assert r.decisions["smallest_cache"] == before + 3
     text = prefix_keys({"model": "m", "messages": [{"role": "user", "content": "x" * 200}]})
     assert len(text) >= 3  # chat messages hash as their JSON, 64 characters a block
     shared = PrefixRouter(2, "kv-aware")  # a prefix both replicas were sent (a common system prompt)
@@ -44,7 +60,7 @@ def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
     shared.routed(a, 1)
     assert shared.matched(a) == [3, 3] and shared.matched(longer) == [2, 2]
     shared.inflight[0] = 1
-    assert shared.choose(longer) == 1  # it costs the same everywhere: load decides
+    assert shared.choose(longer) == 1  # it matches alike everywhere: load decides
     rr = PrefixRouter(3, "round-robin")
     assert [rr.choose(a) for _ in range(4)] == [0, 1, 2, 0]
     with pytest.raises(ValueError, match="routing must be kv-aware or round-robin"):
