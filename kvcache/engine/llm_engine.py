@@ -216,9 +216,14 @@ class LLMEngine:
                  why, self.budget)
         log.info("KV cache (%s): %s blocks x %d tokens = %s tokens, %.2f GiB (%s)%s; maximum concurrency for %s "
                  "tokens per request: %.2fx", self.kv_dtype, f"{c.num_blocks:,}", c.block_size, f"{c.num_tokens:,}",
-                 c.total_bytes / 2**30, kv_formula(self.shape, self.kv_dtype),
+                 c.total_bytes / 2**30, self._kv_formula(),
                  f"; plus {c.seq_blocks} blocks per request for its fp16 key residual" if c.seq_blocks else "",
                  f"{c.max_model_len:,}", c.max_concurrency)
+
+    def _kv_formula(self) -> str:
+        """The bytes-per-token formula of this process's store: each rank's heads under tensor parallelism."""
+        tp = self.config.tensor_parallel_size
+        return kv_formula(self.shape, self.kv_dtype, tp) + (f" per rank ({tp} ranks)" if tp > 1 else "")
 
     def _make_store(self, num_blocks: int, bytes_per_token: int | None = None):
         """The KV store of this engine's layout with `num_blocks` blocks (the null block included); with
@@ -859,7 +864,7 @@ class LLMEngine:
             "bytes_per_token": c.bytes_per_token, "total_bytes": c.total_bytes, "dtype": self.kv_dtype,
             "seq_blocks": c.seq_blocks, "residual_bytes_per_seq": residual_bytes_per_seq(self.shape, self.kv_dtype),
             "max_model_len": c.max_model_len, "max_concurrency": c.max_concurrency,
-            "formula": kv_formula(self.shape, self.kv_dtype),
+            "formula": self._kv_formula(),
             "layer_groups": [{"window": g.window, "layers": list(g.layers)} for g in self.layer_groups],
             "layers_per_block": c.layers_per_block or self.shape.num_layers,
             "blocks_per_request": c.blocks_per_request,

@@ -81,6 +81,7 @@ def test_each_rank_holds_the_planners_per_gpu_kv_bytes(tiny_model_dirs, tp_llm):
     info = two.kv_cache_info()
     shape = two.engine.shape  # the whole model's
     assert info["bytes_per_token"] == kv_bytes_per_token(shape, "float32", 2) == kv_bytes_per_token(shape, "float32") // 2
+    assert info["formula"].endswith(f"= {info['bytes_per_token']:,} bytes/token per rank (2 ranks)")  # what it holds
     store = two.engine.store
     assert store.nbytes == info["bytes_per_token"] * info["block_size"] * (info["num_blocks"] + 1)
     assert store.k[0].shape[2] == 1  # one of the two KV heads on this rank (the worker checks its own store alike)
