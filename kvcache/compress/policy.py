@@ -19,16 +19,15 @@ KeysFn = Callable[[int, int], torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class HeadShare:
-    """The heads a tensor-parallel rank holds of a model's (distributed/tensor_parallel.py): KV heads
-    [first, first + local) of kv_heads, with q_local of each one's query heads, and `reduce`, an in-place sum of a
-    tensor across the ranks. A score that averages over query heads on other ranks too (a KV head replicated on
+    """The heads a tensor-parallel rank holds of a model's (distributed/tensor_parallel.py): the state's
+    num_kv_heads KV heads from `first` on, of kv_heads, with q_local of each one's query heads, and `reduce`, an
+    in-place sum of a tensor across the ranks. A score that averages over query heads on other ranks too (a KV head replicated on
     several ranks, each with some of its query heads; TOVA's mean over a layer's heads) is summed across ranks
     before it is divided, so every rank holding a KV head ranks its tokens alike, as one process would."""
 
     kv_heads: int
     q_heads: int
     first: int
-    local: int
     q_local: int  # this rank's query heads per KV head it holds
     reduce: Callable[[torch.Tensor], torch.Tensor]
 

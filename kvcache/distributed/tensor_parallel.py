@@ -240,7 +240,7 @@ def head_share(shard: Shard):
     kv = shard.kv_rows
     local = len(kv) // shard.head_dim
     q_local = shard.heads // shard.size // local
-    return HeadShare(shard.kv_heads, shard.heads, kv.start // shard.head_dim, local, q_local,
+    return HeadShare(shard.kv_heads, shard.heads, kv.start // shard.head_dim, q_local,
                      lambda x: _checked(dist.all_reduce, x) or x)
 
 
@@ -326,15 +326,19 @@ def worker_main(rank: int, size: int, init_method: str, spec: WorkerSpec) -> Non
     with torch.inference_mode():
         while (msg := _receive()) is not None:
             ops, specs, logit_rows, evicting, group_tables = msg
-            for name, args in ops:
-                getattr(store, name)(*args)
+            _apply(store, ops)
             runner.forward(specs, logit_rows, group_tables)
             if evicting:  # rank 0's eviction plans for this step, applied to this rank's heads
                 ops, works, live = _receive()
-                for name, args in ops:
-                    getattr(store, name)(*args)
+                _apply(store, ops)
                 evictor.run(works, live, runner.captured)
     dist.destroy_process_group()
+
+
+def _apply(store, ops: list[tuple[str, tuple]]) -> None:
+    """Rank 0's store operations (MirroredStore's), in order, on this worker's store."""
+    for name, args in ops:
+        getattr(store, name)(*args)
 
 
 def launched_rank(size: int) -> int | None:
