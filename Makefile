@@ -28,8 +28,10 @@ services:
 demo: install
 	$(VENV)/bin/kvcache chat --message "In three sentences, what does a KV cache store and why does it grow?" --max-tokens 128
 
+# One process per core (pytest-xdist), at most four: many tests wait on subprocesses, servers and Ray, and each worker
+# loads the demo model and its transformers oracle once (~2 GiB)
 test: install services
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4
 
 bench: install
 	$(VENV)/bin/kvcache bench throughput --num-prompts 64 --input-len 64:512 --output-len 32:256 --seed 0 \

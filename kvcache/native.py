@@ -7,6 +7,8 @@ import hashlib
 import logging
 import os
 import platform
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +43,34 @@ def build(name: str, source: str, functions: list[str], flags: list[str], what: 
     except Exception as e:  # no compiler, no headers, no AVX-512
         log.warning("C++ CPU kernels %s unavailable (%s); %s", name, str(e).splitlines()[0], what)
         return None
+
+
+class Kernels:
+    """A module of C++ kernels built on first use (`build`'s arguments), once: callers on other threads wait for
+    the build instead of seeing None while it runs."""
+
+    _all: list[Kernels] = []
+
+    def __init__(self, *build_args) -> None:
+        self._args = build_args
+        self._lock = threading.Lock()
+        self._done = False
+        self._module = None
+        Kernels._all.append(self)
+
+    def __call__(self):
+        """The compiled module, or None where it cannot be built."""
+        with self._lock:
+            if not self._done:
+                self._module = build(*self._args)
+                self._done = True
+            return self._module
+
+
+def build_all() -> None:
+    """Builds (or loads from the cache) every module of kernels at once, one compiler per module in parallel: about
+    a minute on two cores where one after the other takes two."""
+    import kvcache.attention.cpu_kernel  # noqa: F401  (each defines its Kernels)
+    import kvcache.models.cpu_kernels  # noqa: F401
+    with ThreadPoolExecutor(len(Kernels._all)) as pool:
+        list(pool.map(lambda k: k(), Kernels._all))

@@ -13,6 +13,13 @@ from tiny_models import TINY_ARCHS, hf_model, make_tiny_model
 os.environ["KVCACHE_DEVICE"] = "cpu"
 
 
+def pytest_sessionstart(session):
+    """The C++ kernels built (or loaded from their cache) before any test, both modules at once: the first tests to
+    use them would otherwise wait for each compiler in turn."""
+    from kvcache import native
+    native.build_all()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked cuda run only where torch sees a CUDA device (the GPU check); elsewhere they are skipped."""
     import torch

@@ -533,19 +533,9 @@ SPLIT_TOKENS = 128
 
 _NO_RUNS = torch.empty(0, dtype=torch.int64)
 FORMAT_CODES = {"int8": 1, "fp8_e4m3": 5, "fp8_e5m2": 6}  # the kernel's arithmetic decoders (KIVI: its bits)
-_module = None
-_tried = False
-
-
-def load() -> object | None:
-    """The compiled kernel module, or None if it cannot be built here (or KVCACHE_CPU_KERNEL=0)."""
-    global _module, _tried
-    if _tried:
-        return _module
-    _tried = True
-    _module = native.build("kvcache_cpu_attention", _SOURCE, ["paged_decode", "paged_decode_quant"], ["-ffast-math"],
-                           "using the portable PyTorch path")
-    return _module
+# The compiled kernel module, or None if it cannot be built here (or KVCACHE_CPU_KERNEL=0)
+load = native.Kernels("kvcache_cpu_attention", _SOURCE, ["paged_decode", "paged_decode_quant"], ["-ffast-math"],
+                      "using the portable PyTorch path")
 
 
 def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

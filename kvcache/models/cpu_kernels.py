@@ -698,8 +698,6 @@ std::vector<torch::Tensor> argmax_finite(torch::Tensor x) {
 }
 """
 
-_module = None
-_tried = False
 _int4: bool | None = None
 
 
@@ -711,13 +709,6 @@ def has_int4() -> bool:
     return _int4
 
 
-def load():
-    """The compiled kernels, or None where they cannot be built (no compiler or headers; KVCACHE_CPU_KERNEL=0)."""
-    global _module, _tried
-    if _tried:
-        return _module
-    _tried = True
-    _module = native.build("kvcache_cpu_model", _SOURCE, ["int8_linear", "int4_linear", "q8_linear", "has_int4", "add_rms_norm",
-                           "rope_", "attn_in", "mlp", "argmax_finite"], [],
-                           "using PyTorch's ops")
-    return _module
+# The compiled kernels, or None where they cannot be built (no compiler or headers; KVCACHE_CPU_KERNEL=0)
+load = native.Kernels("kvcache_cpu_model", _SOURCE, ["int8_linear", "int4_linear", "q8_linear", "has_int4",
+                      "add_rms_norm", "rope_", "attn_in", "mlp", "argmax_finite"], [], "using PyTorch's ops")

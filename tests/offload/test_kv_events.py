@@ -160,7 +160,7 @@ def test_the_same_prefix_has_the_same_hash_in_every_instance(tiny_llama, sub):
     greedy = SamplingParams(temperature=0, max_tokens=1)
     seen = []
     for salt in (None, None, "tenant"):
-        llm = LLM(tiny_llama, kv_events_endpoint=sub.endpoint)
+        llm = LLM(tiny_llama, kv_cache_memory="8MiB", kv_events_endpoint=sub.endpoint)
         _connected(llm, sub)
         sub.held.clear()
         llm.generate([{"prompt_token_ids": prompt, **({"cache_salt": salt} if salt else {})}], greedy,
@@ -213,7 +213,7 @@ def test_an_endpoint_in_use_is_refused_before_loading(tiny_llama):
     holder.bind(f"tcp://*:{port}")
     try:
         with pytest.raises(ValueError, match="cannot be used"):
-            LLM(tiny_llama, kv_events_endpoint=f"tcp://*:{port}")
+            LLM(tiny_llama, kv_cache_memory="8MiB", kv_events_endpoint=f"tcp://*:{port}")
     finally:
         holder.close(0)
         ctx.term()

@@ -14,6 +14,7 @@ from kvcache.config import EngineConfig
 from kvcache.offload.offloader import decode_block, encode_block
 from kvcache.offload.tiers import CpuTier, DiskTier
 
+POOL = "8MiB"  # the tiny llama's pool: 16,384 tokens, a fraction of the CPU default (2 GiB zeroed per engine)
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6)
 
 
@@ -125,28 +126,28 @@ def test_another_process_loads_from_a_shared_directory(tiny_llama, tmp_path):
     keys); another KV format, or another cache_salt, finds nothing."""
     convs = _conversations(n=2)
     code = (f"from kvcache import LLM, SamplingParams\n"
-            f"llm = LLM({tiny_llama!r}, kv_offload_dir={str(tmp_path)!r})\n"
+            f"llm = LLM({tiny_llama!r}, kv_cache_memory={POOL!r}, kv_offload_dir={str(tmp_path)!r})\n"
             f"llm.generate([{{'prompt_token_ids': p}} for p in {convs!r}], SamplingParams(max_tokens=1), "
             f"use_tqdm=False)\n"
             f"llm.engine.offload.flush()\n")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                    env={**os.environ, "PYTHONHASHSEED": "123"})
     assert len(os.listdir(tmp_path)) == 200 // 16 + 2 * (230 // 16 - 200 // 16)  # the system prompt's blocks once
-    llm = LLM(tiny_llama, kv_offload_dir=str(tmp_path))
+    llm = LLM(tiny_llama, kv_cache_memory=POOL, kv_offload_dir=str(tmp_path))
     llm.generate([{"prompt_token_ids": convs[0] + [7]}], GREEDY, use_tqdm=False)
     info = llm.kv_cache_info()
     assert info["offload"]["loaded_blocks"] == 230 // 16 and info["prefill_tokens_computed"] == 231 - 224
-    other = LLM(tiny_llama, kv_offload_dir=str(tmp_path), kv_cache_dtype="int8")
+    other = LLM(tiny_llama, kv_cache_memory=POOL, kv_offload_dir=str(tmp_path), kv_cache_dtype="int8")
     other.generate([{"prompt_token_ids": convs[0] + [7]}], GREEDY, use_tqdm=False)
     assert other.kv_cache_info()["offload"]["loaded_blocks"] == 0
-    salted = LLM(tiny_llama, kv_offload_dir=str(tmp_path))
+    salted = LLM(tiny_llama, kv_cache_memory=POOL, kv_offload_dir=str(tmp_path))
     salted.generate([{"prompt_token_ids": convs[1] + [7], "cache_salt": "tenant-b"}], GREEDY, use_tqdm=False)
     assert salted.kv_cache_info()["offload"]["loaded_blocks"] == 0
 
 
 def test_a_corrupted_or_foreign_block_is_never_loaded(tiny_llama, tmp_path):
     convs = _conversations(n=1)
-    first = LLM(tiny_llama, kv_offload_dir=str(tmp_path))
+    first = LLM(tiny_llama, kv_cache_memory=POOL, kv_offload_dir=str(tmp_path))
     want = first.generate([{"prompt_token_ids": convs[0] + [7]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     first.engine.offload.flush()
     files = sorted(os.listdir(tmp_path), key=lambda n: os.path.getmtime(tmp_path / n))
@@ -154,7 +155,7 @@ def test_a_corrupted_or_foreign_block_is_never_loaded(tiny_llama, tmp_path):
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF
     victim.write_bytes(bytes(data))
-    llm = LLM(tiny_llama, kv_offload_dir=str(tmp_path))
+    llm = LLM(tiny_llama, kv_cache_memory=POOL, kv_offload_dir=str(tmp_path))
     got = llm.generate([{"prompt_token_ids": convs[0] + [7]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
     o = llm.kv_cache_info()["offload"]
@@ -163,7 +164,7 @@ def test_a_corrupted_or_foreign_block_is_never_loaded(tiny_llama, tmp_path):
 
 def test_the_kv_summary_shows_each_tier(tiny_llama, tmp_path, capsys):
     from kvcache.cli import print_kv_summary
-    llm = LLM(tiny_llama, kv_offload_memory="8MiB", kv_offload_dir=str(tmp_path))
+    llm = LLM(tiny_llama, kv_cache_memory=POOL, kv_offload_memory="8MiB", kv_offload_dir=str(tmp_path))
     llm.generate([{"prompt_token_ids": _conversations(n=1)[0]}], GREEDY, use_tqdm=False)
     llm.engine.offload.flush()
     print_kv_summary(llm.engine)
@@ -178,11 +179,11 @@ def test_two_engines_share_prefix_blocks_through_redis(tiny_llama, redis_server)
     """Engine A computes a document; engine B (nothing shared but the server) loads it instead of recomputing,
     with the same greedy tokens as computing it."""
     doc = _conversations(n=1, system=200, own=40)[0]
-    a = LLM(tiny_llama, kv_remote=redis_server.url)
+    a = LLM(tiny_llama, kv_cache_memory=POOL, kv_remote=redis_server.url)
     want = a.generate([{"prompt_token_ids": doc + [9]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     a.engine.offload.flush()
     assert a.kv_cache_info()["offload"]["tiers"][0]["stored_blocks"] == 240 // 16
-    b = LLM(tiny_llama, kv_remote=redis_server.url)
+    b = LLM(tiny_llama, kv_cache_memory=POOL, kv_remote=redis_server.url)
     got = b.generate([{"prompt_token_ids": doc + [9]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     info = b.kv_cache_info()
     assert got == want and info["offload"]["loaded_blocks"] == 240 // 16
@@ -194,10 +195,10 @@ def test_redis_going_away_and_coming_back(tiny_llama, redis_server):
     """Redis stopped mid-run: requests still finish (recomputed), the failure is counted and the tier backs off
     instead of failing on every block; once it is back and the backoff is over, it is used again."""
     convs = _conversations(n=3)
-    llm = LLM(tiny_llama, kv_remote=redis_server.url, kv_remote_timeout=0.2)
+    llm = LLM(tiny_llama, kv_cache_memory=POOL, kv_remote=redis_server.url, kv_remote_timeout=0.2)
     tier = llm.engine.offload.tiers[0]
     tier.backoff = 60.0  # longer than the test: the counts below do not depend on how fast it runs
-    want = [o.outputs[0].token_ids for o in LLM(tiny_llama).generate(
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama, kv_cache_memory=POOL).generate(
         [{"prompt_token_ids": c} for c in convs], GREEDY, use_tqdm=False)]
     redis_server.stop()
     got = llm.generate([{"prompt_token_ids": c} for c in convs], GREEDY, use_tqdm=False)
@@ -211,7 +212,7 @@ def test_redis_going_away_and_coming_back(tiny_llama, redis_server):
     llm.generate([{"prompt_token_ids": fresh}], GREEDY, use_tqdm=False)
     llm.engine.offload.flush()
     assert tier.stats.stored == len(fresh) // 16
-    other = LLM(tiny_llama, kv_remote=redis_server.url)
+    other = LLM(tiny_llama, kv_cache_memory=POOL, kv_remote=redis_server.url)
     other.generate([{"prompt_token_ids": fresh}], GREEDY, use_tqdm=False)
     assert other.kv_cache_info()["offload"]["loaded_blocks"] == (len(fresh) - 1) // 16
 
@@ -228,10 +229,10 @@ def test_prompts_admitted_together_load_a_shared_prefix_once(tiny_llama, tmp_pat
     loaded blocks are findable at once, so the second, admitted in the same step, shares them instead of loading
     the same blocks a second time."""
     doc = _conversations(n=1, system=200, own=40)[0]
-    first = LLM(tiny_llama, kv_offload_dir=str(tmp_path))
+    first = LLM(tiny_llama, kv_cache_memory=POOL, kv_offload_dir=str(tmp_path))
     first.generate([{"prompt_token_ids": doc}], GREEDY, use_tqdm=False)
     first.engine.offload.flush()
-    llm = LLM(tiny_llama, kv_offload_dir=str(tmp_path))
+    llm = LLM(tiny_llama, kv_cache_memory=POOL, kv_offload_dir=str(tmp_path))
     steps = []
     real = llm.engine.scheduler.schedule
     llm.engine.scheduler.schedule = lambda: steps.append(real()) or steps[-1]
@@ -241,7 +242,7 @@ def test_prompts_admitted_together_load_a_shared_prefix_once(tiny_llama, tmp_pat
     info = llm.kv_cache_info()
     assert info["offload"]["loaded_blocks"] == 240 // 16
     assert info["prefill_tokens_computed"] == 2 + 2  # each computes only its own two tokens
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in LLM(tiny_llama).generate(
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in LLM(tiny_llama, kv_cache_memory=POOL).generate(
         [{"prompt_token_ids": doc + [7, 8]}, {"prompt_token_ids": doc + [9, 10]}], GREEDY, use_tqdm=False)]
 
 
