@@ -29,6 +29,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <immintrin.h>
 #include <math.h>
 #include <type_traits>
 #include <vector>
@@ -66,9 +67,8 @@ static inline float dot(const float* q, const float* k, int64_t Drt) {
 template <int64_t DC>
 static inline void axpy(float* a, float p, const float* v, int64_t Drt) {
   if constexpr (DC > 0 && DC % 16 == 0) {
-    const v16 pv = {p, p, p, p, p, p, p, p, p, p, p, p, p, p, p, p};
 #pragma GCC unroll 8
-    for (int64_t d = 0; d < DC; d += 16) *(v16*)(a + d) += pv * *(const v16*)(v + d);
+    for (int64_t d = 0; d < DC; d += 16) *(v16*)(a + d) += p * *(const v16*)(v + d);  // p broadcast
   } else {
 #pragma omp simd
     for (int64_t d = 0; d < Drt; ++d) a[d] += p * v[d];
@@ -253,9 +253,45 @@ static inline v16 lane_sums(const v16* x) {
 
 // s[i] = (q . k_{t0 + i}) * sc for the n = t1 - t0 keys at k + t * stride. With D a multiple of 16 known at compile
 // time, q stays in registers and 16 keys' products are summed across lanes together.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// Lane j of the result = the sum of x[j]'s 8 lanes (AVX2: hadd within 128-bit halves, then the halves added).
+static inline __m256 lane_sums8(const __m256* x) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#define KVCACHE_AVX2 1
+#endif
+
 template <int64_t DC>
 static inline void scores(float* s, const float* q, const float* k, int64_t stride, int64_t t0, int64_t t1,
                           float sc, int64_t Drt) {
+#ifdef KVCACHE_AVX2
+  // Without AVX-512 the 16-wide path below spills its 16 partial sums (32 ymm halves over 16 registers): here 8
+  // keys at a time, the dimension outermost, so the 8 partials and one slice of q fit in registers.
+  if constexpr (DC > 0 && DC % 8 == 0) {
+    alignas(32) float qs[DC];
+    for (int64_t d = 0; d < DC; ++d) qs[d] = q[d] * sc;
+    for (int64_t c0 = t0; c0 < t1; c0 += 8) {
+      const int64_t n = std::min<int64_t>(8, t1 - c0);
+      const float* kt[8];
+      for (int j = 0; j < 8; ++j) kt[j] = k + (c0 + std::min<int64_t>(j, n - 1)) * stride;  // past n: the last again
+      __m256 x[8];
+      const __m256 q0 = _mm256_load_ps(qs);
+      for (int j = 0; j < 8; ++j) x[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(kt[j]));
+#pragma GCC unroll 16
+      for (int64_t d = 8; d < DC; d += 8) {
+        const __m256 qd = _mm256_load_ps(qs + d);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) x[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt[j] + d), x[j]);
+      }
+      alignas(32) float r[8];
+      _mm256_store_ps(r, lane_sums8(x));
+      for (int64_t j = 0; j < n; ++j) s[c0 - t0 + j] = r[j];
+    }
+    return;
+  }
+#endif
   if constexpr (DC > 0 && DC % 16 == 0) {
     constexpr int64_t NV = DC / 16;
     v16 qv[NV];
@@ -283,6 +319,23 @@ static inline void scores(float* s, const float* q, const float* k, int64_t stri
 template <int64_t DC>
 static inline void weighted_sum(float* acc, const float* p, const float* v, int64_t stride, int64_t t0, int64_t t1,
                                 int64_t Drt) {
+#ifdef KVCACHE_AVX2
+  // AVX2: GCC builds a 16-wide broadcast through 16 stores to the stack and reloads (a store-forwarding stall per
+  // value, most of this kernel's time): 8-wide accumulators and a real broadcast instead
+  if constexpr (DC > 0 && DC % 8 == 0 && DC <= 128) {
+    constexpr int64_t NV = DC / 8;
+    __m256 av[NV];
+    for (int64_t u = 0; u < NV; ++u) av[u] = _mm256_loadu_ps(acc + 8 * u);
+    for (int64_t t = t0; t < t1; ++t) {
+      const __m256 wv = _mm256_broadcast_ss(p + (t - t0));
+      const float* vt = v + t * stride;
+#pragma GCC unroll 16
+      for (int64_t u = 0; u < NV; ++u) av[u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vt + 8 * u), av[u]);
+    }
+    for (int64_t u = 0; u < NV; ++u) _mm256_storeu_ps(acc + 8 * u, av[u]);
+    return;
+  }
+#endif
   if constexpr (DC > 0 && DC % 16 == 0) {
     constexpr int64_t NV = DC / 16;
     v16 av[NV];
