@@ -16,7 +16,8 @@ prompts each time), greedy or, with `--temperature`, sampled with a seed per req
 second of both, their ratio, proposals and accepted tokens, the mean acceptance length, the share of the
 speculating engine's time spent proposing (n-gram lookups found or not, draft forwards: a step without a proposal
 costs a plain step plus its lookup), and whether the tokens are
-identical: they must be for greedy requests and for seeded n-gram ones (speculation draws the numbers plain
+identical (`--profile`: both engines' steps by kind, decode, verify and prefill/mixed, with their mean wall time:
+what verification rows cost over a plain decode step on this machine): they must be for greedy requests and for seeded n-gram ones (speculation draws the numbers plain
 decoding draws; the exit status says whether they are); a draft model's sampled proposals take numbers from the
 request's generator first, so its tokens are other draws from the same distribution ("other draws").
 """
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import nullcontext
 
+from kvcache.bench.step_profile import profiling
 from kvcache.bench.throughput import write_json
 from kvcache.bench.workload import random_workload
 from kvcache.engine.spec_decode import mean_acceptance_length
@@ -51,6 +54,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per step (default: every batch's prompts prefill in one step; a smaller budget "
                         "splits them where verification rows leave room, and under int4 weights a different "
                         "split alone can change a greedy token, plain decoding included)")
+    p.add_argument("--profile", action="store_true",
+                   help="time each kind of step of both engines (decode, verify: a step in which sequences verify "
+                        "a proposal, prefill/mixed): what a verification row costs over a plain decode here")
     p.add_argument("--json", default="results/spec_decode.json")
 
 
@@ -117,11 +123,14 @@ def run(args: argparse.Namespace) -> int:
                 before = llm.kv_cache_info()
                 elapsed = produced = 0
                 tokens[name] = []
-                for r in range(args.rounds):
-                    prompts = _prompts(llm, workload, batch, offset + r * batch, args.doc_chars)
-                    e, n, t = _run(llm, prompts, args.max_tokens, args.temperature, offset + r * batch)
-                    elapsed, produced = elapsed + e, produced + n
-                    tokens[name] += t
+                with profiling(llm.engine) if args.profile else nullcontext() as prof:
+                    for r in range(args.rounds):
+                        prompts = _prompts(llm, workload, batch, offset + r * batch, args.doc_chars)
+                        e, n, t = _run(llm, prompts, args.max_tokens, args.temperature, offset + r * batch)
+                        elapsed, produced = elapsed + e, produced + n
+                        tokens[name] += t
+                if prof is not None:
+                    row[f"{name}_profile"] = prof.table()
                 after = llm.kv_cache_info()
                 row[f"{name}_tok_s"] = produced / elapsed
                 if name == "spec":
@@ -140,6 +149,18 @@ def run(args: argparse.Namespace) -> int:
                   f"{row['ratio']:>6.2f}x {row['accepted_tokens']:>6}/{row['draft_tokens']:<7} "
                   f"{row['mean_acceptance_length']:>9.2f} {row['propose_share']:>10.1%} "
                   f"{'identical' if row['same_tokens'] else 'DIFFER' if must_match else 'other draws':>11}")
+    if args.profile:
+        _print_profiles(rows)
     write_json(args.json, {"speculative_config": spec, "quantization": args.quantization, "temperature": args.temperature,
                            "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows})
     return 0 if all(r["same_tokens"] or not r["tokens_must_match"] for r in rows) else 1
+
+
+def _print_profiles(rows: list[dict]) -> None:
+    """Each row's steps by kind, both engines: count x mean wall time."""
+    print("\nsteps by kind (--profile): count x ms per step")
+    for row in rows:
+        for name in ("plain", "spec"):
+            kinds = ", ".join(f"{kind} {int(r['steps'])} x {r['ms_per_step']:.1f}"
+                              for kind, r in row[f"{name}_profile"].items())
+            print(f"{row['workload']:>9} {row['batch']:>6} {name:>6}: {kinds}")

@@ -13,12 +13,15 @@ BUCKETS = ((1, 1), (2, 8), (9, 32), (33, 64), (65, 1 << 30))
 
 
 def bucket(chunks: list[tuple[object, int]]) -> str:
-    """'decode N-M' by the number of sequences for a step of decodes only, else 'prefill/mixed'."""
-    if any(n != 1 for _, n in chunks):
+    """'decode N-M' by the number of sequences for a step of decodes only, 'verify N-M' for one where some of them
+    verify a speculative proposal (1 + k rows for k proposed tokens), else 'prefill/mixed'."""
+    drafts = [len(getattr(seq, "draft", ())) for seq, _ in chunks]
+    if any(n != 1 + d for (_, n), d in zip(chunks, drafts)):
         return "prefill/mixed"
     b = len(chunks)
     lo, hi = next((lo, hi) for lo, hi in BUCKETS if lo <= b <= hi)
-    return f"decode {lo}" if lo == hi else f"decode {lo}-{hi if hi < 1 << 30 else ''}".rstrip("-")
+    kind = "verify" if any(drafts) else "decode"
+    return f"{kind} {lo}" if lo == hi else f"{kind} {lo}-{hi if hi < 1 << 30 else ''}".rstrip("-")
 
 
 class StepProfile:

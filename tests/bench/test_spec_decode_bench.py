@@ -27,3 +27,26 @@ def test_the_benchmark_compares_speculation_with_plain_decoding(tiny_llama, tmp_
         assert 0 <= row["accepted_tokens"] <= row["draft_tokens"]
         assert 0 < row["propose_share"] < 1
     assert sum(row["drafts"] for row in r["rows"]) > 0
+
+
+def test_the_profile_counts_verification_steps_apart(tiny_llama, tmp_path, capsys):
+    """--profile: the plain engine has decode steps only; the speculating one, alone in its batch, one verify step
+    per proposal, and its accepted tokens fewer decoding steps than plain decoding's for the same tokens."""
+    p = argparse.ArgumentParser()
+    spec_decode.add_args(p)
+    out = tmp_path / "sd.json"
+    args = p.parse_args(["--model", tiny_llama, "--quantization", "none", "--batches", "1", "--rounds", "1",
+                         "--max-tokens", "24", "--kv-cache-memory", "16MiB", "--prompt-lookup-min", "1",
+                         "--profile", "--json", str(out)])
+    assert spec_decode.run(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    for row in rows:
+        plain, spec = row["plain_profile"], row["spec_profile"]
+        assert not any(k.startswith("verify") for k in plain) and "decode 1" in plain
+        stepping = {name: sum(r["steps"] for k, r in prof.items() if k != "prefill/mixed")
+                    for name, prof in (("plain", plain), ("spec", spec))}
+        assert stepping["plain"] == 24 - 1  # the prefill step samples the first token
+        verify = spec.get("verify 1", {"steps": 0})["steps"]
+        assert verify == row["drafts"] and stepping["spec"] == 24 - 1 - row["accepted_tokens"]
+    assert any(row["spec_profile"].get("verify 1") for row in rows)
+    assert "steps by kind" in capsys.readouterr().out
