@@ -14,8 +14,12 @@ router.
   tier, so a misrouted request costs a load, not a prefill.
 - GET /metrics merges every replica's metrics with a `replica` label, plus the router's own counters
   (`kvcache:router_requests_total{decision}`, `kvcache:router_prefix_hit_routed_total`,
-  `kvcache:router_retries_total`). A replica that cannot be reached before a request starts streaming is skipped
-  for a few seconds and the request retried on another (a request already streaming fails with the error).
+  `kvcache:router_retries_total`, `kvcache:router_replica_resets_total`). A replica that cannot be reached before a
+  request starts streaming is skipped for a few seconds and the request retried on another (a request already
+  streaming fails with the error).
+- The ingress reads every replica's KV usage and process id each POLL_S seconds. A replica that could not be reached,
+  or that comes back as another process (Ray Serve restarted it), starts with an empty cache: the router forgets
+  every prefix it had sent there (PrefixRouter.forget), so that those prefixes are not sent to it as hits.
 """
 
 import asyncio
@@ -39,6 +43,7 @@ log = logging.getLogger("kvcache")
 TOKEN_BLOCK, CHAR_BLOCK = 16, 64
 INDEX_ENTRIES = 200_000  # chain hashes the router remembers (least recently routed forgotten first)
 DOWN_S = 5.0  # a replica that could not be reached is skipped this long
+POLL_S = 1.0  # how often the ingress reads each replica's KV usage and process id
 
 
 def prefix_keys(body: dict) -> list[bytes]:
@@ -84,6 +89,7 @@ class PrefixRouter:
         self.down_until = [0.0] * num_replicas
         self.next = 0
         self.decisions = {"prefix": 0, "least_loaded": 0, "smallest_cache": 0, "round_robin": 0}
+        self.resets = 0  # forget() calls that cleared something
 
     def up(self) -> list[int]:
         now = time.monotonic()
@@ -141,6 +147,22 @@ class PrefixRouter:
             for r in range(self.n):
                 if mask >> r & 1:
                     self.held[r] -= 1
+
+    def forget(self, replica: int) -> int:
+        """Drop every prefix `replica` was sent (it lost its cache: restarted, or unreachable and so restarting);
+        returns how many it held. Entries no other replica holds leave the index."""
+        held, bit = self.held[replica], 1 << replica
+        if not held:
+            return 0
+        for k in [k for k, mask in self.index.items() if mask & bit]:
+            mask = self.index[k] & ~bit
+            if mask:
+                self.index[k] = mask
+            else:
+                del self.index[k]
+        self.held[replica] = 0
+        self.resets += 1
+        return held
 
 
 def relabel(text: str, replica: int, keep_meta: bool) -> list[str]:
@@ -201,7 +223,7 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
         def load(self) -> dict:
             info = self.loop.engine.kv_cache_info()
             return {"kv_usage": info["usage"], "prefix_cache_hits": info["prefix_cache_hits"],
-                    "prefix_cache_queries": info["prefix_cache_queries"]}
+                    "prefix_cache_queries": info["prefix_cache_queries"], "pid": os.getpid()}
 
         def check_health(self) -> None:
             if not self.loop.alive or not self.thread.is_alive():
@@ -216,22 +238,41 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
             self.handles = list(replicas)
             self.router = PrefixRouter(len(replicas), policy, balance)
             self.urls: list[str | None] = [None] * len(replicas)
+            self.pids: list[int | None] = [None] * len(replicas)
             self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
             self.retries = 0
+            self.poller: asyncio.Task | None = None
+
+        def _seen(self, i: int, pid: int) -> None:
+            """Replica i answered from process `pid`: another process than before has an empty cache."""
+            if self.pids[i] is not None and pid != self.pids[i]:
+                log.info("replica %d restarted (process %d, was %d): forgetting the %d prefix blocks sent to it", i,
+                         pid, self.pids[i], self.router.forget(i))
+                self.urls[i] = None
+            self.pids[i] = pid
 
         async def _url(self, i: int, refresh: bool = False) -> str:
             if refresh or self.urls[i] is None:
-                self.urls[i] = (await self.handles[i].address.remote())["url"]
+                addr = await self.handles[i].address.remote()
+                self._seen(i, addr["pid"])
+                self.urls[i] = addr["url"]
             return self.urls[i]
 
-        async def _poll_usage(self) -> None:
-            for i, h in enumerate(self.handles):
-                try:
-                    self.router.kv_usage[i] = (await h.load.remote())["kv_usage"]
-                except Exception:  # noqa: BLE001 -- a replica restarting: its usage is unknown for now
-                    pass
+        async def _poll(self) -> None:
+            """Each replica's KV usage (a tie-breaker of the routing rule) and process, every POLL_S seconds."""
+            while True:
+                for i, h in enumerate(self.handles):
+                    try:
+                        info = await asyncio.wait_for(h.load.remote(), timeout=5 * POLL_S)
+                    except Exception:  # noqa: BLE001 -- a replica restarting: its usage is unknown for now
+                        continue
+                    self.router.kv_usage[i] = info["kv_usage"]
+                    self._seen(i, info["pid"])
+                await asyncio.sleep(POLL_S)
 
         async def _proxy(self, request: Request, path: str):
+            if self.poller is None:  # started on the serving event loop
+                self.poller = asyncio.get_running_loop().create_task(self._poll())
             body = await request.body()
             try:
                 parsed = json.loads(body) if body else {}
@@ -251,6 +292,7 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
                 except (httpx.HTTPError, Exception) as e:  # noqa: BLE001 -- unreachable: try another replica
                     self.router.inflight[i] -= 1
                     self.router.down_until[i] = time.monotonic() + DOWN_S
+                    self.router.forget(i)  # refused or timed out: restarting, with an empty cache
                     self.urls[i] = None
                     tried.add(i)
                     self.retries += 1
@@ -307,11 +349,10 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
                 except Exception as e:  # noqa: BLE001
                     out.append({"error": str(e), "inflight": self.router.inflight[i]})
             return {"policy": self.router.policy, "replicas": out, "decisions": self.router.decisions,
-                    "retries": self.retries}
+                    "retries": self.retries, "held": self.router.held, "resets": self.router.resets}
 
         @web.get("/metrics")
         async def metrics(self):
-            await self._poll_usage()
             lines = []
             for i in range(len(self.handles)):
                 try:
@@ -325,7 +366,10 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
             lines += [f'kvcache:router_requests_total{{decision="{k}"}} {v}' for k, v in d.items()]
             lines += ["# TYPE kvcache:router_prefix_hit_routed_total counter",
                       f"kvcache:router_prefix_hit_routed_total {d['prefix']}",
-                      "# TYPE kvcache:router_retries_total counter", f"kvcache:router_retries_total {self.retries}"]
+                      "# TYPE kvcache:router_retries_total counter", f"kvcache:router_retries_total {self.retries}",
+                      "# HELP kvcache:router_replica_resets_total Times a replica's routing entries were dropped "
+                      "(restarted or unreachable).", "# TYPE kvcache:router_replica_resets_total counter",
+                      f"kvcache:router_replica_resets_total {self.router.resets}"]
             return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     replicas = [EngineReplica.options(name=f"replica-{i}").bind(i) for i in range(num_replicas)]

@@ -67,6 +67,24 @@ def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
         PrefixRouter(2, "random")
 
 
+def test_a_replica_that_lost_its_cache_is_forgotten_and_others_keep_theirs():
+    r = PrefixRouter(3, "kv-aware")
+    a = prefix_keys({"model": "m", "prompt": list(range(48))})  # 3 blocks
+    b = prefix_keys({"model": "m", "prompt": [5] * 48})
+    r.routed(a, 0)
+    r.routed(a, 1)  # a on two replicas
+    r.routed(b, 0)
+    assert r.held == [6, 3, 0] and len(r.index) == 6
+    assert r.forget(0) == 6 and r.resets == 1
+    assert r.held == [0, 3, 0] and len(r.index) == 3  # b's entries held by no one are gone
+    assert r.matched(a) == [0, 3, 0] and r.matched(b) == [0, 0, 0]
+    assert r.choose(a) == 1 and r.decisions["prefix"] == 1  # a still goes where it is cached
+    assert r.choose(b) == 0 and r.decisions["smallest_cache"] == 1  # b is a new prefix again: the emptiest cache
+    assert r.forget(2) == 0 and r.resets == 1  # nothing to forget: not counted
+    r.routed(b, 0)
+    assert r.held == [3, 3, 0]
+
+
 def test_metrics_get_a_replica_label():
     text = "# HELP a x\n# TYPE a counter\na_total{model_name=\"m\"} 3.0\nb 1\n"
     assert relabel(text, 2, keep_meta=False) == ['a_total{replica="2",model_name="m"} 3.0', 'b{replica="2"} 1']
@@ -107,13 +125,19 @@ def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(
             assert out.usage.completion_tokens == 2
         end = time.monotonic() + 120
         while True:  # Ray Serve restarts it
-            now = _replicas(url)["replicas"]
+            state = _replicas(url)
+            now = state["replicas"]
             if "pid" in now[0] and now[0]["pid"] != before[0]["pid"]:
                 break
             assert time.monotonic() < end, now
             time.sleep(1)
-        out = client.completions.create(model="tiny", prompt=groups[0] + [300], max_tokens=2)
-        assert out.usage.completion_tokens == 2
+        # the restarted replica's cache is empty, and so is the router's record of it: both prefixes are the other
+        # replica's now (their requests were retried there), so they go there as hits, not back to the empty one
+        assert state["held"][0] == 0 and state["held"][1] > 0 and state["resets"] >= 1, state
+        for g in range(2):
+            raw = client.completions.with_raw_response.create(model="tiny", prompt=groups[g] + [300], max_tokens=2)
+            assert raw.headers["x-kvcache-replica"] == "1" and raw.parse().usage.completion_tokens == 2
+        assert "kvcache:router_replica_resets_total" in httpx.get(f"{url}/metrics", timeout=30).text
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
