@@ -36,6 +36,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     text: str = ""  # detokenized output, kept current only when stop strings need it
+    # incremental detokenization (StopChecker.detokenize): output tokens [0, read) are decoded into `confirmed`;
+    # tokens from `prefix` on are decoded again each time, as the context of the new ones
+    detok: tuple[int, int, str] = (0, 0, "")  # (prefix, read, confirmed)
     forked: bool = False
     extra_key: tuple = ()  # prefix-cache extra keys: (cache_salt,) when the request has one
     prefix_counted: bool = False  # its prefix lookup has been counted in the hit rate
