@@ -378,12 +378,12 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
 
 def serve_replicas(args, config) -> int:
     """`kvcache serve --replicas K`: start a local Ray cluster and Ray Serve, deploy, and serve until interrupted."""
-    import ray
-    from ray import serve
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if config.tensor_parallel_size > 1:
         raise ValueError("--replicas with --tensor-parallel-size is not supported yet: run one or the other")
+    import ray  # after the refusals: they need no Ray
+    from ray import serve
     cores = usable_cores()
     from kvcache.server.serve import model_name
     options = ReplicaOptions(dataclasses.asdict(config), model_name(config.model, args.served_model_name),

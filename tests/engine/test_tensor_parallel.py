@@ -110,6 +110,35 @@ def test_bad_sizes_are_refused_before_loading_with_the_numbers(tiny_model_dirs):
         LLM(path, tensor_parallel_size=2, kv_offload_memory="1MiB", **KW)
 
 
+def test_what_tensor_parallelism_cannot_take_is_refused_with_the_numbers(tiny_model_dirs, monkeypatch):
+    """Refusals that start no process: the combinations rank 0's store alone serves, a size that does not divide the
+    query heads, more ranks than GPUs, and replicas of a tensor-parallel engine."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from kvcache.config import EngineConfig
+    from kvcache.distributed.replicas import serve_replicas
+    from kvcache.distributed.tensor_parallel import check_tensor_parallel
+    path = tiny_model_dirs["llama"]
+    with pytest.raises(ValueError, match="cannot be combined with the KV offload tiers and preemption_mode swap yet"):
+        LLM(path, tensor_parallel_size=2, preemption_mode="swap", kv_offload_memory="1MiB", **KW)
+    with pytest.raises(ValueError, match="cannot be combined with a draft model yet"):
+        LLM(path, tensor_parallel_size=2, speculative_config={"model": path, "num_speculative_tokens": 2}, **KW)
+    cfg = LlamaConfig(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=64,
+                      num_hidden_layers=1, vocab_size=64)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 4 must divide num_attention_heads \(6\)"):
+        check_tensor_parallel(cfg, 4, torch.device("cpu"))
+    cfg.num_attention_heads = 8
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 needs 2 GPUs; torch sees 1"):
+        check_tensor_parallel(cfg, 2, torch.device("cuda"))
+    with pytest.raises(ValueError, match="--replicas with --tensor-parallel-size is not supported yet"):
+        serve_replicas(SimpleNamespace(replicas=2), EngineConfig(model=path, tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="--replicas must be >= 1, got 0"):
+        serve_replicas(SimpleNamespace(replicas=0), EngineConfig(model=path))
+
+
 def _evicting(engine, prompts, specs, params) -> list[list[int]]:
     """Each prompt with its own eviction (all in one continuous batch), stepped to the end: their tokens."""
     for i, (p, spec) in enumerate(zip(prompts, specs)):
