@@ -35,6 +35,8 @@ def build(name: str, source: str, functions: list[str], flags: list[str], what: 
     # Named by the source too: two checkouts (or versions) sharing the cache each keep their own build, instead of
     # rebuilding over each other's, and one never loads the other's functions
     tag = hashlib.sha256(full.encode()).hexdigest()[:8]
+    if os.environ.get("KVCACHE_CPU_ISA", "native") == "avx2":  # the AVX2 + FMA paths on an AVX-512 CPU (to measure them)
+        flags, name = [*flags, "-mno-avx512f"], f"{name}_avx2"
     try:
         from torch.utils.cpp_extension import load_inline
         return load_inline(f"{name}_{cpu_tag()}_{tag}", cpp_sources=[full],
