@@ -6,8 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
+from kvcache.memory.kv_cache_manager import blocks_for
 from kvcache.engine.spec_decode import SpeculativeConfig, ngram_propose
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -41,11 +44,13 @@ CASES = {
     "radix": dict(prefix_caching_algo="radix"),
     "int8": dict(kv_cache_dtype="int8"),
     "fp8": dict(kv_cache_dtype="fp8_e4m3"),
+    "fp8_e5m2": dict(kv_cache_dtype="fp8_e5m2"),
     "torch-backend": dict(attention_backend="torch"),
     # int4 weights round the activations to int8: a verified row attended any other way than a decode row would
     # move them by a rounding step (seen on the demo model: a different token 34 tokens in)
     "int4-weights": dict(quantization="int4"),
     "bfloat16": dict(dtype="bfloat16"),
+    "float16": dict(dtype="float16"),
 }
 
 
@@ -237,9 +242,11 @@ def interleaved_workload(tiny_llama) -> tuple[list[list[int]], list[SamplingPara
     return prompts, params, plain
 
 
-def step_with_aborts(eng, prompts, params, rng: random.Random, p_abort: float) -> dict[str, list[int]]:
+def step_with_aborts(eng, prompts, params, rng: random.Random, p_abort: float, after_step=None
+                     ) -> dict[str, list[int]]:
     """Add the requests r0, r1, ... and step `eng` until done, aborting a random live request after a step with
-    probability `p_abort`; the outputs of those that finished unaborted. Checks that no block leaks."""
+    probability `p_abort` (and calling `after_step()` after each step); the outputs of those that finished unaborted.
+    Checks that no block leaks."""
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)
     done, aborted = {}, set()
@@ -247,6 +254,8 @@ def step_with_aborts(eng, prompts, params, rng: random.Random, p_abort: float) -
         for o in eng.step():
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
+        if after_step is not None:
+            after_step()
         if rng.random() < p_abort:
             live = sorted(r for r in eng.requests if r not in done)
             if live:
@@ -270,6 +279,38 @@ def test_interleaved_requests_aborts_and_preemptions_leak_nothing(tiny_llama):
     assert len(checked) >= 6 and any(i % 3 == 2 for i in checked)  # greedy and seeded sampled ones
     for i in checked:
         assert done[f"r{i}"] == plain[i], i
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 6), pool_blocks=st.integers(36, 120),
+       chunk=st.sampled_from([16, 40, 256]), p_abort=st.sampled_from([0.0, 0.1, 0.3]),
+       kv=st.sampled_from(["auto", "int8", "fp8_e5m2"]), prefix=st.sampled_from(["hash", "radix", "none"]))
+def test_property_rollback_keeps_only_verified_tokens_blocks_at_every_step(tiny_llama, seed, k, pool_blocks, chunk,
+                                                                           p_abort, kv, prefix):
+    """Hypothesis draws the workload (speculating and never-proposing prompts, greedy and seeded sampled requests),
+    the draft length, the pool (small ones preempt), the prefill chunk, abort rate, KV format and prefix cache.
+    After every step each running sequence holds no block past what its tokens need (the rejected tokens' blocks
+    went back within the step), and at the end every block is back and every request that finished unaborted has
+    plain decoding's tokens."""
+    prompts, max_tokens = _workload(seed, n=8, outputs=(5, 60))
+    rng = random.Random(seed)
+    params = [SamplingParams(temperature=0.7 if rng.random() < 0.3 else 0, seed=i, max_tokens=m, ignore_eos=True)
+              for i, m in enumerate(max_tokens)]
+    cache = dict(enable_prefix_caching=False) if prefix == "none" else dict(prefix_caching_algo=prefix)
+    plain = [o.outputs[0].token_ids for o in LLM(tiny_llama, kv_cache_memory="8MiB", kv_cache_dtype=kv).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    spec = {**NGRAM, "num_speculative_tokens": k}
+    eng = LLM(tiny_llama, kv_cache_memory=pool_blocks * 8 * 512, block_size=8, max_num_batched_tokens=chunk,
+              kv_cache_dtype=kv, speculative_config=spec, **cache).engine
+
+    def holds_no_more_than_its_tokens_need():
+        for seq in eng.scheduler.running:
+            table = eng.kv.block_tables.get(seq.seq_id, [])
+            assert len(table) <= blocks_for(seq.num_tokens, 8), (seq.seq_id, len(table), seq.num_tokens)
+    done = step_with_aborts(eng, prompts, params, rng, p_abort, holds_no_more_than_its_tokens_need)
+    assert eng.kv_cache_info()["spec_decode_num_drafts"] > 0
+    for r, tokens in done.items():
+        assert tokens == plain[int(r[1:])], r
 
 
 def test_a_prefix_cached_after_speculation_serves_later_requests_exactly(tiny_llama):
