@@ -17,6 +17,7 @@ from kvcache.bench.serve import wait_until_serving
 from kvcache.distributed.replicas import PrefixRouter, prefix_keys, relabel
 
 from live_server import free_port
+from redis_server import RedisServer
 
 
 def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
@@ -145,3 +146,53 @@ def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _metric(text: str, name: str, replica: int) -> float:
+    """The sum of `name`'s samples labelled replica="replica" in a Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'replica="{replica}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_replica_that_misses_loads_the_prefix_from_the_shared_redis_tier(tiny_model_dirs, tmp_path):
+    """Round-robin sends the same prompt to both replicas: the first computes it and writes its blocks through to
+    Redis, the second, which never saw it, loads them from there (and gives the same tokens)."""
+    redis = RedisServer(str(tmp_path))
+    redis.start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", "serve", "--model", tiny_model_dirs["llama"],
+                             "--replicas", "2", "--routing", "round-robin", "--kv-remote", redis.url, "--port",
+                             str(port), "--kv-cache-memory", "1MiB", "--max-model-len", "256", "--served-model-name",
+                             "tiny"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until_serving(url, proc, 180, "/replicas", every_replica_up)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        prompt = [(7 * i) % 300 + 3 for i in range(100)]  # 6 full blocks of 16 and 4 tokens
+        first = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+        assert first.headers["x-kvcache-replica"] == "0"
+        import redis as redis_client
+        r = redis_client.Redis.from_url(redis.url)
+        end = time.monotonic() + 30
+        while r.dbsize() < 6:  # written through by replica 0's background thread
+            assert time.monotonic() < end, r.dbsize()
+            time.sleep(0.1)
+        second = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+        assert second.headers["x-kvcache-replica"] == "1"
+        assert second.parse().choices[0].text == first.parse().choices[0].text
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert _metric(metrics, "kvcache:kv_offload_loaded_blocks_total", 1) == 6, metrics
+        assert _metric(metrics, "kvcache:kv_offload_hits_total", 1) >= 6
+        assert _metric(metrics, "kvcache:kv_offload_loaded_blocks_total", 0) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        redis.stop()
