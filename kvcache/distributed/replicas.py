@@ -181,6 +181,24 @@ def relabel(text: str, replica: int, keep_meta: bool) -> list[str]:
     return out
 
 
+async def relay(chunks, sse: bool, replica: int, done):
+    """A replica's response passed through chunk by chunk; `done()` is awaited at the end, whatever happens. If the
+    replica fails mid-response, a server-sent-events stream ends as the server ends a failed stream (vLLM's way): an
+    error event naming the replica, then [DONE] (the request is not retried: part of it was sent); any other
+    response just ends where the connection broke."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except httpx.HTTPError as e:
+        log.warning("replica %d failed mid-response: %s", replica, e)
+        if sse:
+            err = {"error": {"message": f"replica {replica} failed while streaming this response ({e}); the request "
+                                        "was not retried", "type": "server_error", "code": "replica_failed"}}
+            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await done()
+
+
 @dataclasses.dataclass
 class ReplicaOptions:
     config: dict  # EngineConfig fields
@@ -283,10 +301,10 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
             tried: set[int] = set()
             while True:
                 i = self.router.choose(keys, tried)
-                self.router.routed(keys, i)
                 self.router.inflight[i] += 1
                 try:
-                    url = await self._url(i, refresh=bool(tried))
+                    url = await self._url(i, refresh=bool(tried))  # (a restarted replica is forgotten here)
+                    self.router.routed(keys, i)
                     upstream = await self.client.send(self.client.build_request(
                         request.method, f"{url}{path}", content=body, headers=headers), stream=True)
                 except (httpx.HTTPError, Exception) as e:  # noqa: BLE001 -- unreachable: try another replica
@@ -305,23 +323,13 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
 
             sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
-            async def stream():
-                try:
-                    async for chunk in upstream.aiter_raw():
-                        yield chunk
-                except httpx.HTTPError as e:  # the replica went away mid-response
-                    log.warning("replica %d failed mid-response: %s", i, e)
-                    if sse:  # as the server reports a failed stream (vLLM's way): an error event, then [DONE]
-                        err = {"error": {"message": f"replica {i} failed while streaming this response ({e}); "
-                                                    "the request was not retried", "type": "server_error",
-                                         "code": "replica_failed"}}
-                        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
-                finally:
-                    await upstream.aclose()
-                    self.router.inflight[i] -= 1
+            async def done() -> None:
+                await upstream.aclose()
+                self.router.inflight[i] -= 1
             kept = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "retry-after")}
             kept["x-kvcache-replica"] = str(i)
-            return StreamingResponse(stream(), status_code=upstream.status_code, headers=kept)
+            return StreamingResponse(relay(upstream.aiter_raw(), sse, i, done), status_code=upstream.status_code,
+                                     headers=kept)
 
         @web.post("/v1/completions")
         async def completions(self, request: Request):

@@ -2,6 +2,7 @@
 command), as a user runs it; and the router's choices on their own."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,10 +12,11 @@ import time
 import httpx
 import openai
 import pytest
+import redis
 
 from kvcache.bench.replicas import every_replica_up
 from kvcache.bench.serve import wait_until_serving
-from kvcache.distributed.replicas import PrefixRouter, prefix_keys, relabel
+from kvcache.distributed.replicas import PrefixRouter, prefix_keys, relabel, relay
 
 from live_server import free_port
 from redis_server import RedisServer
@@ -86,10 +88,56 @@ def test_a_replica_that_lost_its_cache_is_forgotten_and_others_keep_theirs():
     assert r.held == [3, 3, 0]
 
 
+def test_a_replica_failing_mid_stream_ends_the_stream_with_an_error_event_and_done():
+    import asyncio
+    import json
+
+    async def upstream():
+        yield b'data: {"choices": [{"text": "a"}]}\n\n'
+        raise httpx.ReadError("connection reset by peer")
+
+    async def collect(sse: bool) -> tuple[bytes, int]:
+        closed = []
+
+        async def done():
+            closed.append(1)
+        return b"".join([c async for c in relay(upstream(), sse, 3, done)]), len(closed)
+
+    out, closed = asyncio.run(collect(True))
+    events = [e.removeprefix("data: ") for e in out.decode().strip().split("\n\n")]
+    assert events[0] == '{"choices": [{"text": "a"}]}' and events[-1] == "[DONE]" and closed == 1
+    err = json.loads(events[1])["error"]
+    assert err["code"] == "replica_failed" and "replica 3 failed while streaming" in err["message"]
+    assert "connection reset by peer" in err["message"]
+    out, closed = asyncio.run(collect(False))  # not a stream of events: it just ends, and is still closed
+    assert out == b'data: {"choices": [{"text": "a"}]}\n\n' and closed == 1
+
+
 def test_metrics_get_a_replica_label():
     text = "# HELP a x\n# TYPE a counter\na_total{model_name=\"m\"} 3.0\nb 1\n"
     assert relabel(text, 2, keep_meta=False) == ['a_total{replica="2",model_name="m"} 3.0', 'b{replica="2"} 1']
     assert relabel(text, 0, keep_meta=True)[:2] == ["# HELP a x", "# TYPE a counter"]
+
+
+@contextlib.contextmanager
+def serving_replicas(model: str, tmp_path, *args: str):
+    """`kvcache serve --replicas ...` on a free loopback port, until every replica is up: its URL; stopped after."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", "serve", "--model", model, "--port", str(port),
+                             "--kv-cache-memory", "1MiB", "--max-model-len", "256", "--served-model-name", "tiny",
+                             *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until_serving(url, proc, 180, "/replicas", every_replica_up)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _replicas(url: str) -> dict:
@@ -97,15 +145,7 @@ def _replicas(url: str) -> dict:
 
 
 def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(tiny_model_dirs, tmp_path):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", "serve", "--model", tiny_model_dirs["llama"],
-                             "--replicas", "2", "--port", str(port), "--kv-cache-memory", "1MiB", "--max-model-len",
-                             "256", "--served-model-name", "tiny"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        wait_until_serving(url, proc, 180, "/replicas", every_replica_up)
+    with serving_replicas(tiny_model_dirs["llama"], tmp_path, "--replicas", "2") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         groups = [[3 + g] * 40 for g in range(2)]  # two prefixes of 2 full blocks and more
         where = {}
@@ -139,13 +179,6 @@ def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(
             raw = client.completions.with_raw_response.create(model="tiny", prompt=groups[g] + [300], max_tokens=2)
             assert raw.headers["x-kvcache-replica"] == "1" and raw.parse().usage.completion_tokens == 2
         assert "kvcache:router_replica_resets_total" in httpx.get(f"{url}/metrics", timeout=30).text
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _metric(text: str, name: str, replica: int) -> float:
@@ -160,39 +193,30 @@ def _metric(text: str, name: str, replica: int) -> float:
 def test_a_replica_that_misses_loads_the_prefix_from_the_shared_redis_tier(tiny_model_dirs, tmp_path):
     """Round-robin sends the same prompt to both replicas: the first computes it and writes its blocks through to
     Redis, the second, which never saw it, loads them from there (and gives the same tokens)."""
-    redis = RedisServer(str(tmp_path))
-    redis.start()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", "serve", "--model", tiny_model_dirs["llama"],
-                             "--replicas", "2", "--routing", "round-robin", "--kv-remote", redis.url, "--port",
-                             str(port), "--kv-cache-memory", "1MiB", "--max-model-len", "256", "--served-model-name",
-                             "tiny"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = RedisServer(str(tmp_path))
+    server.start()
     try:
-        wait_until_serving(url, proc, 180, "/replicas", every_replica_up)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        prompt = [(7 * i) % 300 + 3 for i in range(100)]  # 6 full blocks of 16 and 4 tokens
-        first = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
-        assert first.headers["x-kvcache-replica"] == "0"
-        import redis as redis_client
-        r = redis_client.Redis.from_url(redis.url)
-        end = time.monotonic() + 30
-        while r.dbsize() < 6:  # written through by replica 0's background thread
-            assert time.monotonic() < end, r.dbsize()
-            time.sleep(0.1)
-        second = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
-        assert second.headers["x-kvcache-replica"] == "1"
-        assert second.parse().choices[0].text == first.parse().choices[0].text
-        metrics = httpx.get(f"{url}/metrics", timeout=30).text
-        assert _metric(metrics, "kvcache:kv_offload_loaded_blocks_total", 1) == 6, metrics
-        assert _metric(metrics, "kvcache:kv_offload_hits_total", 1) >= 6
-        assert _metric(metrics, "kvcache:kv_offload_loaded_blocks_total", 0) == 0
+        with serving_replicas(tiny_model_dirs["llama"], tmp_path, "--replicas", "2", "--routing", "round-robin",
+                              "--kv-remote", server.url) as url:
+            _one_prompt_on_both_replicas(url, server.url)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        redis.stop()
+        server.stop()
+
+
+def _one_prompt_on_both_replicas(url: str, redis_url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    prompt = [(7 * i) % 300 + 3 for i in range(100)]  # 6 full blocks of 16 and 4 tokens
+    first = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    assert first.headers["x-kvcache-replica"] == "0"
+    r = redis.Redis.from_url(redis_url)
+    end = time.monotonic() + 30
+    while r.dbsize() < 6:  # written through by replica 0's background thread
+        assert time.monotonic() < end, r.dbsize()
+        time.sleep(0.1)
+    second = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    assert second.headers["x-kvcache-replica"] == "1"
+    assert second.parse().choices[0].text == first.parse().choices[0].text
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert _metric(metrics, "kvcache:kv_offload_loaded_blocks_total", 1) == 6, metrics
+    assert _metric(metrics, "kvcache:kv_offload_hits_total", 1) >= 6
+    assert _metric(metrics, "kvcache:kv_offload_loaded_blocks_total", 0) == 0
