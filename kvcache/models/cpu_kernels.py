@@ -36,7 +36,9 @@ _SOURCE = r"""
 // ---- int8 weights (quant_linear.Int8Dense): int8_channels per instruction set, as the compiler sees it ----
 // Each computes out[m, n] for every row m and the output channels n in [begin, end) of int8_linear below. A product
 // sums in the same order whatever rows are beside it (the same chain of 16 or 8 wide FMAs over k, then the tail):
-// a batch-invariant layer gives each row what it gives it alone.
+// a batch-invariant layer gives each row what it gives it alone. The tails' FMAs are written out (std::fma): left to
+// contraction, GCC's tuning for AMD Zen 4 (avoid_fma_chains) split some instantiations' chains into a multiply and an
+// add and not others, so a row's tail rounded differently in a tile of 4 than alone.
 #if defined(__AVX512F__)
 // R activation rows against one int8 weight row: the weights are widened once per 16 and used R times.
 template <int R>
@@ -50,7 +52,7 @@ static inline void dot_rows(const float* x, int64_t K, const int8_t* w, float* o
   }
   for (int r = 0; r < R; ++r) {
     float s = _mm512_reduce_add_ps(acc[r]);
-    for (int64_t j = k; j < K; ++j) s += w[j] * x[r * K + j];
+    for (int64_t j = k; j < K; ++j) s = std::fma((float)w[j], x[r * K + j], s);  // explicit: see above
     out[r] = s;
   }
 }
@@ -96,7 +98,7 @@ static inline void dot_tile(const float* x, int64_t K, const int8_t* w, float* o
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       float s = hsum8(acc[r][c]);
-      for (int64_t j = k; j < K; ++j) s += w[c * K + j] * x[r * K + j];
+      for (int64_t j = k; j < K; ++j) s = std::fma((float)w[c * K + j], x[r * K + j], s);
       out[r * C + c] = s;
     }
 }
