@@ -19,15 +19,17 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.attention.backend import resolve_backend, with_backend_write
+from kvcache.attention.metadata import SeqChunk
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
 from kvcache.distributed.tensor_parallel import (MirroredStore, RankDiedError, TensorParallel, build_shard,
                                                  check_tensor_parallel, head_share, serve_as_launched_worker)
 from kvcache.engine.cuda_graphs import DecodeGraphPlan
 from kvcache.engine.draft import DraftProposer, read_draft
-from kvcache.engine.eviction import Evictor, seq_chunk
+from kvcache.engine.eviction import Evictor
 from kvcache.engine.kv_events import ZmqEventPublisher
 from kvcache.engine.model_runner import ModelRunner
+from kvcache.engine import scoring
 from kvcache.engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, request_output
 from kvcache.engine.sampler import (SamplingRow, logprob_dicts, probabilities, rejection_sample, sample,
                                     skip_draws)
@@ -76,6 +78,16 @@ class EngineStats:
     spec_accepted_per_position: list[int] = field(default_factory=list)  # [i]: proposals whose token i was accepted
     spec_propose_seconds: float = 0.0  # spent proposing (n-gram lookups, draft forwards), found or not
     peak_used_blocks: int = 0
+
+    def count_draft(self, proposed: int, accepted: int) -> None:
+        """One verified proposal of `proposed` tokens whose first `accepted` were accepted."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += proposed
+        self.spec_accepted_tokens += accepted
+        per = self.spec_accepted_per_position
+        per.extend([0] * (proposed - len(per)))
+        for i in range(accepted):
+            per[i] += 1
 
 
 class LLMEngine:
@@ -671,7 +683,7 @@ class LLMEngine:
         accepted = 0
         while accepted < len(seq.draft) and pairs[accepted][0] == seq.draft[accepted]:
             accepted += 1
-        self._count_accepted(seq, accepted)
+        self.stats.count_draft(len(seq.draft), accepted)
         return accepted
 
     def _rejection_sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[tuple[int, dict | None]], int]:
@@ -692,18 +704,8 @@ class LLMEngine:
         except Exception as e:
             self._fail(req, "the engine failed while sampling this request's next token", e)
             return [(-1, None)], 0
-        self._count_accepted(seq, accepted)
+        self.stats.count_draft(len(seq.draft), accepted)
         return list(zip(tokens, lps)), accepted
-
-    def _count_accepted(self, seq: Sequence, accepted: int) -> None:
-        st = self.stats
-        st.spec_drafts += 1
-        st.spec_draft_tokens += len(seq.draft)
-        st.spec_accepted_tokens += accepted
-        per = st.spec_accepted_per_position
-        per.extend([0] * (len(seq.draft) - len(per)))
-        for i in range(accepted):
-            per[i] += 1
 
     def _accept(self, seq: Sequence, accepted: int, to_store: list[tuple[int, int | None, tuple[int, ...], int]]
                 ) -> None:
@@ -794,57 +796,11 @@ class LLMEngine:
                 del self.requests[rid]
         return outs
 
-    @torch.inference_mode()
     def score(self, token_ids: list[int], start: int = 0, chunk_size: int | None = None,
               eviction: EvictionSpec | None = None) -> torch.Tensor:
-        """Teacher-forced logits: row i is the next-token distribution after `token_ids[:start + i + 1]`
-        (fp32, [len(token_ids) - start, vocab]).
-
-        The tokens go through the paged KV cache in prefill chunks of `chunk_size` (default
-        max_num_batched_tokens), in the cache's storage format, as a request's prompt does; this is what
-        `kvcache eval` measures quantization with. With `eviction`, `token_ids[:start + 1]` is the prompt:
-        prefilled in chunks and compacted as a request's would be; the other tokens then run one per step,
-        as decodes, so that decode-time policies evict as they go. Only while no request is unfinished; the
-        blocks are freed afterwards and nothing is added to the prefix cache.
-        """
-        if self.requests:
-            raise RuntimeError(f"score needs an idle engine; {len(self.requests)} requests are unfinished")
-        n = len(token_ids)
-        vocab = self.model.config.vocab_size
-        if not 0 < n <= self.max_model_len or not 0 <= start < n:
-            raise ValueError(f"score needs 1..{self.max_model_len:,} tokens and 0 <= start < {n:,}; got start {start:,}")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"token ids must be ints in [0, {vocab})")
-        chunk = chunk_size or self.config.max_num_batched_tokens
-        if chunk < 1:
-            raise ValueError(f"chunk_size must be positive, got {chunk}")
-        state = None
-        if eviction is not None and eviction.enabled:
-            self._check_eviction(eviction)
-            state = self.evictor.new_state(eviction, start + 1, self.config.seed)
-        seq_id = next(self._seq_ids)
-        try:
-            out, done = [], 0
-            while done < n:
-                if state is None:
-                    e = min(n, done + chunk)
-                else:
-                    e = min(start + 1, done + chunk) if done <= start else done + 1
-                evicted = state.num_evicted if state else 0
-                need = n if state is None else e - evicted  # without eviction, all blocks before any forward
-                if not self.kv.allocate(seq_id, need):
-                    raise ValueError(f"{need:,} tokens need {self.kv.blocks_needed(seq_id, need):,} KV blocks; "
-                                     f"{self.kv.num_free_blocks:,} are free")
-                c = seq_chunk(seq_id, token_ids[done:e], done - evicted, self.kv.block_tables[seq_id], True,
-                              self.kv.private_blocks.get(seq_id, []), state)
-                # a chunk wholly before `start` gets an empty range of logit rows
-                out.append(self.runner.run_chunk(c, range(max(done, start) - done, e - done), state is not None))
-                done = e
-                if state is not None:
-                    self.evictor.after_forward(seq_id, state, c, self.runner.captured, done)
-            return torch.cat(out)
-        finally:
-            self.kv.free(seq_id)
+        """Teacher-forced logits, row i the next-token distribution after `token_ids[:start + i + 1]` (fp32): see
+        engine/scoring.py. Only while no request is unfinished."""
+        return scoring.score(self, token_ids, start, chunk_size, eviction)
 
     # ---- introspection ------------------------------------------------------------------------
 
