@@ -308,7 +308,8 @@ def test_property_rollback_keeps_only_verified_tokens_blocks_at_every_step(tiny_
             table = eng.kv.block_tables.get(seq.seq_id, [])
             assert len(table) <= blocks_for(seq.num_tokens, 8), (seq.seq_id, len(table), seq.num_tokens)
     done = step_with_aborts(eng, prompts, params, rng, p_abort, holds_no_more_than_its_tokens_need)
-    assert eng.kv_cache_info()["spec_decode_num_drafts"] > 0
+    if p_abort == 0:  # (aborts can end every request before its first proposal)
+        assert eng.kv_cache_info()["spec_decode_num_drafts"] > 0
     for r, tokens in done.items():
         assert tokens == plain[int(r[1:])], r
 
