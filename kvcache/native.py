@@ -27,7 +27,8 @@ def cpu_tag() -> str:
 
 def build(name: str, source: str, functions: list[str], flags: list[str], what: str):
     """The compiled module `name` exporting `functions` of `source`, or None where it cannot be built (no compiler,
-    no AVX-512, or KVCACHE_CPU_KERNEL=0); `what` names the fallback in the warning."""
+    no AVX-512, or KVCACHE_CPU_KERNEL=0); `what` names the fallback in the warning. KVCACHE_CPU_ISA=avx2 builds the
+    AVX2 + FMA paths on an AVX-512 CPU, as a module of its own."""
     if os.environ.get("KVCACHE_CPU_KERNEL", "1") == "0":
         return None
     binds = "\n".join(f'  m.def("{f}", &{f}, py::call_guard<py::gil_scoped_release>());' for f in functions)

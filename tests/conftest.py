@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from redis_server import RedisServer
 from tiny_models import TINY_ARCHS, hf_model, make_tiny_model
 
 # Tests pin their device: `auto` means the CPU for the whole suite (subprocesses included), where the oracles
@@ -87,3 +88,12 @@ def blunt_llama(tiny_llama, tmp_path_factory) -> str:
     """The same scaled 10x: sharp_llama's distributions at 4x the temperature, a draft for it that is often
     right and often wrong (its rejections' residual carries much of the output's probability)."""
     return _scaled_norm(tiny_llama, tmp_path_factory.mktemp("blunt_llama"), 10)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server (tests/redis_server.py) on a free port, for this test only."""
+    server = RedisServer(str(tmp_path))
+    server.start()
+    yield server
+    server.stop()

@@ -24,12 +24,12 @@ from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
 from kvcache.distributed.tensor_parallel import (MirroredStore, RankDiedError, TensorParallel, build_shard,
                                                  check_tensor_parallel, head_share, serve_as_launched_worker)
+from kvcache.engine import scoring
 from kvcache.engine.cuda_graphs import DecodeGraphPlan
 from kvcache.engine.draft import DraftProposer, read_draft
 from kvcache.engine.eviction import Evictor
 from kvcache.engine.kv_events import ZmqEventPublisher
 from kvcache.engine.model_runner import ModelRunner
-from kvcache.engine import scoring
 from kvcache.engine.outputs import CompletionOutput, Request, RequestMetrics, RequestOutput, request_output
 from kvcache.engine.sampler import (SamplingRow, logprob_dicts, probabilities, rejection_sample, sample,
                                     skip_draws)

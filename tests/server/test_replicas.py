@@ -18,8 +18,7 @@ from kvcache.bench.replicas import every_replica_up
 from kvcache.bench.serve import wait_until_serving
 from kvcache.distributed.replicas import PrefixRouter, prefix_keys, relabel, relay
 
-from live_server import free_port
-from redis_server import RedisServer
+from live_server import free_port, scrape
 
 
 def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
@@ -181,26 +180,12 @@ def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(
         assert "kvcache:router_replica_resets_total" in httpx.get(f"{url}/metrics", timeout=30).text
 
 
-def _metric(text: str, name: str, replica: int) -> float:
-    """The sum of `name`'s samples labelled replica="replica" in a Prometheus text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and f'replica="{replica}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def test_a_replica_that_misses_loads_the_prefix_from_the_shared_redis_tier(tiny_model_dirs, tmp_path):
+def test_a_replica_that_misses_loads_the_prefix_from_the_shared_redis_tier(tiny_model_dirs, tmp_path, redis_server):
     """Round-robin sends the same prompt to both replicas: the first computes it and writes its blocks through to
     Redis, the second, which never saw it, loads them from there (and gives the same tokens)."""
-    server = RedisServer(str(tmp_path))
-    server.start()
-    try:
-        with serving_replicas(tiny_model_dirs["llama"], tmp_path, "--replicas", "2", "--routing", "round-robin",
-                              "--kv-remote", server.url) as url:
-            _one_prompt_on_both_replicas(url, server.url)
-    finally:
-        server.stop()
+    with serving_replicas(tiny_model_dirs["llama"], tmp_path, "--replicas", "2", "--routing", "round-robin",
+                          "--kv-remote", redis_server.url) as url:
+        _one_prompt_on_both_replicas(url, redis_server.url)
 
 
 def _one_prompt_on_both_replicas(url: str, redis_url: str) -> None:
@@ -216,7 +201,7 @@ def _one_prompt_on_both_replicas(url: str, redis_url: str) -> None:
     second = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
     assert second.headers["x-kvcache-replica"] == "1"
     assert second.parse().choices[0].text == first.parse().choices[0].text
-    metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    assert _metric(metrics, "kvcache:kv_offload_loaded_blocks_total", 1) == 6, metrics
-    assert _metric(metrics, "kvcache:kv_offload_hits_total", 1) >= 6
-    assert _metric(metrics, "kvcache:kv_offload_loaded_blocks_total", 0) == 0
+    metrics = scrape(url)
+    assert metrics["kvcache:kv_offload_loaded_blocks_total{replica=1}"] == 6, metrics
+    assert metrics["kvcache:kv_offload_hits_total{replica=1,tier=redis}"] >= 6
+    assert metrics["kvcache:kv_offload_loaded_blocks_total{replica=0}"] == 0
