@@ -4,8 +4,9 @@
   softmax in float32, GQA-aware (a program serves all the query heads of one KV head, so each K/V load is shared),
   split-K over long contexts with a reduction kernel (each sequence's own live blocks shared among the splits, so
   that the launch depends on the batch size and the table's width only: CUDA graphs replay it), sliding windows and
-  per-layer dead blocks (the caller passes that layer's table and lengths). Reads float32/bf16/fp16 blocks, and fp8/int8 blocks with their per-token fp16
-  scales, dequantising in registers through the store's 256-entry byte -> value table.
+  per-layer dead blocks (the caller passes that layer's table and lengths). Tiles of 64 tokens (16 query-head
+  rows) on the tensor cores. Reads float32/bf16/fp16 blocks, and fp8/int8 blocks as their codes (bitcast in
+  registers, exact in bf16/fp16) with the per-token fp16 scales multiplying the products.
 - `paged_prefill`: a chunk of a sequence's prompt attending, causally, to everything cached before it plus
   itself (its K/V are written first), tiles of queries sharing each K/V load (tl.dot), for chunked prefill and
   prefix-cache hits.
@@ -27,7 +28,9 @@ import triton.language as tl
 # Triton's CPU interpreter (the tests' way to run these kernels without a GPU) gives wrong results for bfloat16
 # tl.dot operands (seen with triton 3.9): there the prefill kernel takes its products in float32, as for float32 models.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-NEG = -1.0e30  # the running max starts here, not at -inf, so that a tile with every score masked stays finite
+# The running max starts here, not at -inf, so that a tile with every score masked stays finite; a constexpr, as
+# every global a kernel reads must be (the interpreter reads any, the compiler refuses the rest)
+NEG = tl.constexpr(-1.0e30)
 MIN_BLOCKS_PER_SPLIT = 16  # a split-K part reads at least this many blocks of its sequence
 
 
@@ -57,10 +60,41 @@ def _softcap(scores, cap):
 
 
 @triton.jit
+def _load_tile(x_ptr, raw16_ptr, phys, off, kh, d, tmask, dmask, row_bytes, data_off, scale_off,
+               BS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr):
+    """K or V of BLOCK_N tokens, token i at slot off[i] of physical block phys[i], KV head kh, channels d:
+    [BLOCK_N, BLOCK_D] values (a quantized store's codes as their values, unscaled, float32) and, for a
+    quantized store, the tokens' scales [BLOCK_N] (ones otherwise): dot products take codes, the scales multiply
+    their results. QUANT: 0 a full-precision store, 1 fp8 e4m3 codes, 2 fp8 e5m2, 3 int8 (each value exact in
+    bf16 and fp16), converted by bitcast in registers (a 256-entry table gathered per value ran at 4% of the
+    memory bandwidth on an H200)."""
+    m = tmask[:, None] & dmask[None, :]
+    if QUANT > 0:
+        codes = tl.load(x_ptr + phys[:, None] * row_bytes + data_off + (off[:, None] * KVH + kh) * D + d[None, :],
+                        mask=m, other=0)
+        if QUANT == 1:
+            x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif QUANT == 2:
+            x = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+        else:
+            x = codes.to(tl.int8, bitcast=True).to(tl.float32)
+        scales = tl.load(raw16_ptr + phys * (row_bytes // 2) + scale_off + off * KVH + kh, mask=tmask,
+                         other=0.0).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + ((phys[:, None] * BS + off[:, None]) * KVH + kh) * D + d[None, :], mask=m, other=0.0)
+        scales = tl.full([x.shape[0]], 1.0, tl.float32)
+    return x, scales
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, lut_ptr, table_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr,
                    table_stride, row_bytes, kd_off, vd_off, ks_off, vs_off, scale, window, min_per_split, softcap,
                    H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr):
+                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+                   SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
+    """Sequence program_id(0), KV head program_id(1), split program_id(2): its G query heads (rows of a
+    [BLOCK_G >= 16, D] tile, the rest zero) over tiles of BLOCK_N tokens (BLOCK_N / BS blocks, each token's block
+    looked up in the table), scores and outputs on the tensor cores (tl.dot), online softmax in float32."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -80,23 +114,30 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, lut_ptr, table_ptr, lens_ptr,
     gmask = g < G
     dmask = d < D
     heads = kh * G + g
-    q = tl.load(q_ptr + (b * H + heads[:, None]) * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
-                other=0.0).to(tl.float32) * scale
+    q = tl.load(q_ptr + (b * H + heads[:, None]) * D + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if F32_DOT:
+        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], NEG, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    t = tl.arange(0, BS)
-    for blk in range(first, last):
-        phys = tl.load(table_ptr + b * table_stride + blk)
-        pos = blk * BS + t
-        valid = pos < ctx
+    l_i = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for b0 in range(first, last, BLOCK_N // BS):
+        pos = b0 * BS + n
+        blk = pos // BS
+        valid = (blk < last) & (pos < ctx)
         if window > 0:
             valid = valid & (pos >= ctx - window)
-        k = _load_kv(k_ptr, raw16_ptr, lut_ptr, phys, t, kh, d, valid, dmask, row_bytes, kd_off, ks_off,
-                     BS, KVH, D, QUANT)
-        v = _load_kv(v_ptr, raw16_ptr, lut_ptr, phys, t, kh, d, valid, dmask, row_bytes, vd_off, vs_off,
-                     BS, KVH, D, QUANT)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BS]
+        phys = tl.load(table_ptr + b * table_stride + blk, mask=blk < last, other=0)
+        off = pos % BS
+        k, kscale = _load_tile(k_ptr, raw16_ptr, phys, off, kh, d, valid, dmask, row_bytes, kd_off, ks_off,
+                               BS, KVH, D, QUANT)
+        v, vscale = _load_tile(v_ptr, raw16_ptr, phys, off, kh, d, valid, dmask, row_bytes, vd_off, vs_off,
+                               BS, KVH, D, QUANT)
+        if F32_DOT:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+        scores = scores * (kscale * scale)[None, :]  # [BLOCK_G, BLOCK_N]
         if softcap > 0:
             scores = _softcap(scores, softcap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -104,11 +145,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, lut_ptr, table_ptr, lens_ptr,
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        pv = p * vscale[None, :]
+        if F32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     omask = gmask[:, None] & dmask[None, :]
     if SPLIT:
-        nsplit = tl.num_programs(2)
         row = (b * H + heads) * nsplit + s  # [BLOCK_G]
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=omask)
         tl.store(ml_ptr + row * 2, m_i, mask=gmask)
@@ -206,8 +250,10 @@ def _write_quant_kernel(x_ptr, slot_ptr, raw_ptr, raw16_ptr, row_bytes, data_off
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     x = tl.load(x_ptr + (tok * KVH + kh) * D + d, mask=dmask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / qmax, 6.103515625e-05).to(tl.float16)
-    y = x / scale.to(tl.float32)
+    # Divisions rounded as IEEE's (div_rn): Triton's `/` is the GPU's approximate division, off by an ulp, which
+    # changes a code now and then against the torch codec
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), qmax), 6.103515625e-05).to(tl.float16)
+    y = tl.math.div_rn(x, scale.to(tl.float32))
     slot = tl.load(slot_ptr + tok)
     blk = slot // BS
     off = slot % BS
@@ -255,7 +301,13 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_ta
     per_split = 1  # asked for a number of splits (the tests): each takes its share of a sequence, however small
     if num_splits is None:
         num_splits, per_split = _num_splits(B * KVH, table.shape[1], q.device), MIN_BLOCKS_PER_SPLIT
-    args = dict(H=H, KVH=KVH, G=G, D=D, BS=bs, BLOCK_G=_pow2(G), BLOCK_D=_pow2(D), QUANT=quant)
+    # tl.dot wants every side >= 16: the G query heads of a KV head are a tile of at least 16 rows (the rest
+    # zero, free where decode waits on memory); tiles of 64 tokens (fewer for wide heads, to stay in registers)
+    block_d = max(16, _pow2(D))
+    block_n = max(16, bs, min(64, 8192 // block_d))
+    code = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}[store.dtype] if quant else 0
+    args = dict(H=H, KVH=KVH, G=G, D=D, BS=bs, BLOCK_G=max(16, _pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n,
+                QUANT=code, F32_DOT=q.dtype == torch.float32 or INTERPRETED)
     if num_splits == 1:
         _decode_kernel[(B, KVH, 1)](q, k, v, raw16, lut, table, context_lens, out, out, out, table.stride(0),
                                     row_bytes, kd, vd, ks, vs, scale, window or 0, per_split, softcap or 0.0,
@@ -270,11 +322,12 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_ta
 
 
 def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
-    """Split long contexts so that about two programs run per streaming multiprocessor."""
+    """Split long contexts so that at least four programs run per streaming multiprocessor: decode waits on
+    memory, and only programs in flight keep loads in flight."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(2 * sms // max(1, programs), max_blocks // MIN_BLOCKS_PER_SPLIT))
+    return max(1, min(-(-4 * sms // max(1, programs)), max_blocks // MIN_BLOCKS_PER_SPLIT))
 
 
 def paged_prefill(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_table: torch.Tensor, row0: int,
