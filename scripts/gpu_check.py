@@ -2,16 +2,20 @@
 torch, triton and transformers installed. It needs no network and installs nothing (wheels in .whl/, gguf say, are
 the caller's to install first); it never imports the server, so fastapi and uvicorn may be absent.
 
-It runs, in about six minutes on an H200:
-1. the cuda-marked tests (parity with transformers on the GPU in float32, bfloat16 and float16 for the tiny models,
+It runs, in order (each step its own process, with a time limit; --deadline bounds the whole):
+1. `kvcache bench attention`: 64 sequences x 4,096 tokens with Llama-3-8B's heads, bfloat16 and fp8, the Triton
+   kernel against the portable torch path, as a fraction of the measured memory bandwidth (about 20 s on an H200);
+2. the cuda-marked tests (parity with transformers on the GPU in float32, bfloat16 and float16 for the tiny models,
    every KV format on each attention backend with prefix caching, n > 1 and eviction, the Triton kernels, the
-   loading peak and the profiled KV budget);
-2. `kvcache bench attention`: 64 sequences x 4,096 tokens with Llama-3-8B's heads, bfloat16 and fp8, the Triton
-   kernel against the portable torch path, as a fraction of the measured memory bandwidth;
+   loading peak), in parallel workers where pytest-xdist is installed (over 160 s on an H200's machine: the kernels
+   compile anew for each shape), then the gpu_memory-marked ones alone (the profiled KV budget, CUDA graphs);
 3. `kvcache bench throughput` on a random-weight model of Llama-3.2-1B's shape in bfloat16 (256 requests, prompts
-   128-1,024 tokens, outputs 64-512, EOS ignored, seed 0) against transformers' best static batch on the same GPU;
+   128-1,024 tokens, outputs 64-512, EOS ignored, seed 0) against transformers' best static batch on the same GPU
+   (a few minutes);
 4. single-stream decode on that model (4 requests one at a time, 128 tokens in, 256 out) with the decode steps'
    CUDA graphs and with --enforce-eager, as a ratio.
+Failures of the test steps are appended to test_failures.log as they happen, so a step stopped by its time limit
+still names them.
 
 It writes gpu_check.json and summary.txt in --out (default results/gpu_check). `--small` runs the same steps on tiny
 sizes, on whatever device is there, to check the plumbing.
@@ -19,6 +23,7 @@ sizes, on whatever device is there, to check the plumbing.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -37,10 +42,19 @@ SMALL = dict(LLAMA_32_1B, vocab_size=512, hidden_size=64, intermediate_size=128,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2)
 
 
+DEADLINE = [float("inf")]  # --deadline: the whole check's end, as time.perf_counter()
+
+
 def run_step(name: str, cmd: list[str], out: str, timeout: int) -> dict:
-    """Run one step as its own process (a crash or a hang is one failed step); its log goes to out/<name>.log."""
+    """Run one step as its own process (a crash or a hang is one failed step); its log goes to out/<name>.log. It
+    gets `timeout` seconds, or what is left before --deadline where that is less (none left: skipped)."""
     t = time.perf_counter()
+    timeout = int(min(timeout, DEADLINE[0] - t))
+    if timeout < 10:
+        print(f"{name}: skipped (--deadline reached)", flush=True)
+        return {"step": name, "returncode": "skipped", "seconds": 0.0, "command": " ".join(cmd)}
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
+    env.setdefault("KVCACHE_CPU_KERNEL", "0")  # the C++ CPU kernels serve no step here: not compiled (a minute)
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         try:
             rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
@@ -70,7 +84,8 @@ def summarize(out: str, steps: list[dict]) -> dict:
     """The figures each step's JSON holds, against the issue's targets, as one JSON and a short text."""
     result: dict = {"steps": steps}
     attn_path, tp_path = os.path.join(out, "attention.json"), os.path.join(out, "throughput.json")
-    lines = [f"{s['step']}: {'ok' if s['returncode'] == 0 else 'FAILED'} ({s['seconds']} s)" for s in steps]
+    word = {0: "ok", "skipped": "skipped"}
+    lines = [f"{s['step']}: {word.get(s['returncode'], 'FAILED')} ({s['seconds']} s)" for s in steps]
     if os.path.isfile(attn_path):
         attn = json.load(open(attn_path))
         result["attention"] = attn
@@ -108,15 +123,15 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_check"))
     p.add_argument("--small", action="store_true", help="tiny sizes, any device: checks the plumbing only")
     p.add_argument("--skip", default="", help="comma-separated steps to leave out: tests, attention, throughput, graphs")
+    p.add_argument("--deadline", type=float, default=None, help="seconds for the whole check: a step that would "
+                   "run past them is stopped, and later steps are skipped")
     args = p.parse_args()
+    if args.deadline:
+        DEADLINE[0] = time.perf_counter() + args.deadline
     os.makedirs(args.out, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     py = sys.executable
     steps = []
-    if "tests" not in skip:
-        os.environ.setdefault("KVCACHE_KERNEL_EXAMPLES", "12")  # each new shape compiles the kernels anew
-        steps.append(run_step("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda or triton",
-                                        "tests/models", "tests/engine", "tests/attention"], args.out, 240))
     if "attention" not in skip:
         import torch
         size = ["--batch", "4", "--context", "256", "--seconds", "0.2"] if args.small else ["--batch", "64",
@@ -125,6 +140,17 @@ def main() -> int:
         steps.append(run_step("attention", [py, "-m", "kvcache.cli", "bench", "attention", *size, "--kv-cache-dtype",
                                             formats, "--json", os.path.join(args.out, "attention.json")],
                               args.out, 120))
+    if "tests" not in skip:
+        os.environ.setdefault("KVCACHE_KERNEL_EXAMPLES", "4")  # each new shape compiles the kernels anew
+        os.environ["KVCACHE_FAILURE_LOG"] = os.path.join(args.out, "test_failures.log")  # kept if the step times out
+        # Workers in parallel where pytest-xdist is there (the Triton kernels' compiles are CPU-bound); the tests that
+        # derive the KV budget from the device's free memory after them, alone (a worker's memory is not free)
+        par = ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2)))] if importlib.util.find_spec("xdist") else []
+        par += ["--timeout", "120"] if importlib.util.find_spec("pytest_timeout") else []
+        pytest = [py, "-m", "pytest", "-q", "-rfE", "--durations", "10", "-p", "no:cacheprovider", "tests/models",
+                  "tests/engine", "tests/attention", "tests/memory"]
+        steps.append(run_step("tests", [*pytest, *par, "-m", "(cuda or triton) and not gpu_memory"], args.out, 240))
+        steps.append(run_step("tests_memory", [*pytest, "-m", "gpu_memory"], args.out, 90))
     if "throughput" not in skip:
         model = make_model(os.path.join(args.out, "model"), SMALL if args.small else LLAMA_32_1B)
         work = (["--num-prompts", "8", "--input-len", "16:64", "--output-len", "4:16", "--hf-batch-sizes", "4,8"]

@@ -32,6 +32,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """KVCACHE_FAILURE_LOG=path appends each failure's report to that file as it happens (by the controller where
+    xdist runs workers): the GPU check keeps the failures of a test step that runs out of time before pytest's
+    summary."""
+    path = os.environ.get("KVCACHE_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
+@pytest.fixture(autouse=True)
+def _device_memory_given_back(request):
+    """Tests marked gpu_memory derive the KV budget from the device's free memory: what earlier tests of this process
+    left in torch's cache is given back to the device first."""
+    if request.node.get_closest_marker("gpu_memory"):
+        import gc
+
+        import torch
+        gc.collect()
+        torch.cuda.empty_cache()
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_models")

@@ -6,7 +6,7 @@ import os
 
 import torch
 from kvcache.models.random_checkpoint import save_random_checkpoint
-from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig,
+from transformers import (AutoConfig, AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig,
                           LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -62,12 +62,21 @@ def make_tiny_model(directory: str, arch: str, seed: int = 0) -> str:
     return save_random_checkpoint(directory, cls(**{**COMMON, **overrides}), seed)
 
 
+def hf_load(path: str, dtype: torch.dtype, **kwargs):
+    """transformers' model of a tiny directory in `dtype`. Soft-capped attention (Gemma-2) asks for the eager
+    implementation: SDPA cannot cap the scores and drops the cap, and transformers 5.17 picks SDPA for Gemma-2 by
+    default (5.25 picks eager), which made the oracle another model."""
+    if getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None):
+        kwargs.setdefault("attn_implementation", "eager")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+
+
 def hf_model(path: str):
     """transformers' model for a tiny directory or a GGUF file, fp32, eval mode."""
     if os.path.isfile(path):
         d, name = os.path.split(path)
         return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf_load(path, torch.float32).eval()
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

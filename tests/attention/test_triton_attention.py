@@ -162,7 +162,7 @@ def test_the_engine_on_the_triton_backend_matches_the_torch_backend(tiny_model_d
     from kvcache import LLM, SamplingParams
     path = tiny_model_dirs[arch]
     kw = dict(kv_cache_dtype=kv, kv_cache_memory="2MiB", max_model_len=128, max_num_batched_tokens=24,
-              device=DEVICE)
+              device=DEVICE, dtype="float32")  # auto would be bfloat16 on a GPU
     tri, ref = LLM(path, attention_backend="triton", **kw), LLM(path, attention_backend="torch", **kw)
     assert tri.kv_cache_info()["attention_backend"] == "triton"
     ids = torch.randint(3, 320, (70,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -108,6 +108,7 @@ def test_a_graph_that_ignores_its_inputs_is_caught_at_start_up(tiny_model_dirs, 
 
 
 @pytest.mark.cuda
+@pytest.mark.gpu_memory
 @pytest.mark.parametrize("arch, kv", [("llama", "auto"), ("llama", "fp8_e4m3"), ("gemma3", "auto"),
                                       ("qwen3", "int8")])
 def test_real_cuda_graphs_give_the_eager_tokens(tiny_model_dirs, arch, kv, caplog):

@@ -107,6 +107,7 @@ def test_the_profile_step_runs_at_the_limits(tiny_llama, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.gpu_memory
 def test_cuda_budget_is_profiled_and_stated(tiny_llama):
     llm = LLM(tiny_llama, device="cuda", gpu_memory_utilization=0.5, max_model_len=256)
     info = llm.kv_cache_info()

@@ -149,6 +149,8 @@ def test_a_cuda_decode_step_waits_on_the_device_once(tiny_llama):
                 eng.step()
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-        waits.append([str(w.message) for w in caught if "synchroniz" in str(w.message)])
+        # (the mode's first use also warns that it is a prototype: not a wait)
+        waits.append([str(w.message) for w in caught
+                      if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)])
     assert all(len(w) <= 1 for w in waits), waits
     assert eng.runner.tables.entries_written < 4 * 40  # diffs, not whole tables each step

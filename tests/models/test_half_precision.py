@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tiny_models import OVERFLOW_TOKEN, TINY_ARCHS, hf_greedy, make_fp16_overflow_model
+from tiny_models import OVERFLOW_TOKEN, TINY_ARCHS, hf_greedy, hf_load, make_fp16_overflow_model
 from kvcache import LLM, RequestFailedError, SamplingParams
 from kvcache.attention.metadata import SeqChunk, build_batch
 from kvcache.models.loader import build_model, read_checkpoint
@@ -93,7 +93,7 @@ def pairs(tiny_model_dirs):
             # prefill; its default grouped_mm kernel rounds half precision differently
             moe = {"experts_implementation": "eager"} if arch.startswith("deepseek") else {}
             cache[arch, dtype, device] = (build_model(read_checkpoint(d), 256, device, DTYPES[dtype]),
-                                          AutoModelForCausalLM.from_pretrained(d, dtype=DTYPES[dtype], **moe)
+                                          hf_load(d, DTYPES[dtype], **moe)
                                           .to(device).eval())
         return cache[arch, dtype, device]
     return get
