@@ -35,22 +35,6 @@ MIN_BLOCKS_PER_SPLIT = 16  # a split-K part reads at least this many blocks of i
 
 
 @triton.jit
-def _load_kv(x_ptr, raw16_ptr, lut_ptr, phys, t, kh, d, tmask, dmask, row_bytes, data_off, scale_off,
-             BS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr):
-    """K or V of tokens `t` ([BS]) of physical block `phys`, KV head `kh`, channels `d`: float32 [BS, BLOCK_D]."""
-    m = tmask[:, None] & dmask[None, :]
-    if QUANT:
-        codes = tl.load(x_ptr + phys * row_bytes + data_off + (t[:, None] * KVH + kh) * D + d[None, :], mask=m,
-                        other=0)
-        vals = tl.load(lut_ptr + codes.to(tl.int32))
-        scales = tl.load(raw16_ptr + phys * (row_bytes // 2) + scale_off + t * KVH + kh, mask=tmask, other=0.0)
-        x = vals * scales.to(tl.float32)[:, None]
-    else:
-        x = tl.load(x_ptr + ((phys * BS + t[:, None]) * KVH + kh) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _softcap(scores, cap):
     """cap * tanh(scores / cap) (Gemma-2's attn_logit_softcapping), tanh from exp of -2|x|: no overflow."""
     x = scores / cap
@@ -87,7 +71,7 @@ def _load_tile(x_ptr, raw16_ptr, phys, off, kh, d, tmask, dmask, row_bytes, data
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, lut_ptr, table_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, table_ptr, lens_ptr, out_ptr, acc_ptr, ml_ptr,
                    table_stride, row_bytes, kd_off, vd_off, ks_off, vs_off, scale, window, min_per_split, softcap,
                    H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
@@ -180,7 +164,7 @@ def _reduce_kernel(acc_ptr, ml_ptr, out_ptr, D: tl.constexpr, S: tl.constexpr, B
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, lut_ptr, table_ptr, out_ptr, row0, n, ctx, row_bytes, kd_off,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, table_ptr, out_ptr, row0, n, ctx, row_bytes, kd_off,
                     vd_off, ks_off, vs_off, scale, window, softcap, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                     D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_D: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr):
@@ -211,10 +195,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, lut_ptr, table_ptr, out_ptr,
         phys = tl.load(table_ptr + blk)
         kpos = blk * BS + t
         kvalid = kpos < ctx
-        k = _load_kv(k_ptr, raw16_ptr, lut_ptr, phys, t, kh, d, kvalid, dmask, row_bytes, kd_off, ks_off,
-                     BS, KVH, D, QUANT).to(q.dtype)
-        v = _load_kv(v_ptr, raw16_ptr, lut_ptr, phys, t, kh, d, kvalid, dmask, row_bytes, vd_off, vs_off,
-                     BS, KVH, D, QUANT).to(q.dtype)
+        phys = phys + t * 0  # the block of each of its tokens, as _load_tile takes them
+        k, ks = _load_tile(k_ptr, raw16_ptr, phys, t, kh, d, kvalid, dmask, row_bytes, kd_off, ks_off, BS, KVH, D,
+                           QUANT)
+        v, vs = _load_tile(v_ptr, raw16_ptr, phys, t, kh, d, kvalid, dmask, row_bytes, vd_off, vs_off, BS, KVH, D,
+                           QUANT)
+        k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+        v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         if F32_DOT:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -275,14 +262,16 @@ def _pow2(n: int) -> int:
 
 
 def _store_args(store, layer: int) -> tuple:
-    """(k, v, raw as fp16, lut, row bytes, K code offset, V code offset, K scale offset, V scale offset, QUANT) of a
-    layer: offsets in bytes for codes, in fp16 elements for scales; dummies for a full-precision store."""
+    """(k, v, raw as fp16, row bytes, K code offset, V code offset, K scale offset, V scale offset, QUANT) of a
+    layer: offsets in bytes for codes, in fp16 elements for scales; dummies for a full-precision store. QUANT is
+    _load_tile's: 0 full precision, 1 fp8 e4m3, 2 fp8 e5m2, 3 int8."""
     if store.exact or not hasattr(store, "raw"):
         k, v = store.k[layer], store.v[layer]
-        return k, v, k, k, 0, 0, 0, 0, 0, False
+        return k, v, k, 0, 0, 0, 0, 0, 0
     raw = store.raw[layer]
     kd, vd, ks, vs = store.offsets[:4]
-    return raw, raw, raw.view(torch.float16), store.lut.float(), store.row_bytes, kd, vd, ks // 2, vs // 2, True
+    code = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}[store.dtype]
+    return raw, raw, raw.view(torch.float16), store.row_bytes, kd, vd, ks // 2, vs // 2, code
 
 
 def paged_decode(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_tables: torch.Tensor,
@@ -295,7 +284,7 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_ta
     KVH = store.num_kv_heads if hasattr(store, "num_kv_heads") else store.k[layer].shape[2]
     G = H // KVH
     bs = store.block_size
-    k, v, raw16, lut, row_bytes, kd, vd, ks, vs, quant = _store_args(store, layer)
+    k, v, raw16, row_bytes, kd, vd, ks, vs, quant = _store_args(store, layer)
     q = q.contiguous()
     table = block_tables.contiguous()
     per_split = 1  # asked for a number of splits (the tests): each takes its share of a sequence, however small
@@ -305,17 +294,16 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_ta
     # zero, free where decode waits on memory); tiles of 64 tokens (fewer for wide heads, to stay in registers)
     block_d = max(16, _pow2(D))
     block_n = max(16, bs, min(64, 8192 // block_d))
-    code = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}[store.dtype] if quant else 0
     args = dict(H=H, KVH=KVH, G=G, D=D, BS=bs, BLOCK_G=max(16, _pow2(G)), BLOCK_D=block_d, BLOCK_N=block_n,
-                QUANT=code, F32_DOT=q.dtype == torch.float32 or INTERPRETED)
+                QUANT=quant, F32_DOT=q.dtype == torch.float32 or INTERPRETED)
     if num_splits == 1:
-        _decode_kernel[(B, KVH, 1)](q, k, v, raw16, lut, table, context_lens, out, out, out, table.stride(0),
+        _decode_kernel[(B, KVH, 1)](q, k, v, raw16, table, context_lens, out, out, out, table.stride(0),
                                     row_bytes, kd, vd, ks, vs, scale, window or 0, per_split, softcap or 0.0,
                                     SPLIT=False, **args)
         return
     acc = torch.empty(B * H * num_splits, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * H * num_splits, 2, dtype=torch.float32, device=q.device)
-    _decode_kernel[(B, KVH, num_splits)](q, k, v, raw16, lut, table, context_lens, out, acc, ml, table.stride(0),
+    _decode_kernel[(B, KVH, num_splits)](q, k, v, raw16, table, context_lens, out, acc, ml, table.stride(0),
                                          row_bytes, kd, vd, ks, vs, scale, window or 0, per_split, softcap or 0.0,
                                          SPLIT=True, **args)
     _reduce_kernel[(B * H,)](acc, ml, out, D=D, S=num_splits, BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(D))
@@ -339,11 +327,11 @@ def paged_prefill(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_t
         raise ValueError("paged_prefill indexes q and out as contiguous [T, H, D] tensors")
     KVH = store.num_kv_heads if hasattr(store, "num_kv_heads") else store.k[layer].shape[2]
     G = H // KVH
-    k, v, raw16, lut, row_bytes, kd, vd, ks, vs, quant = _store_args(store, layer)
+    k, v, raw16, row_bytes, kd, vd, ks, vs, quant = _store_args(store, layer)
     block_g = _pow2(G)
     block_m = max(1, 64 // block_g)  # 64 query rows (tokens x heads of this KV head) share each K/V load
     _prefill_kernel[(-(-n // block_m), KVH)](
-        q, k, v, raw16, lut, block_table, out, row0, n, context_len, row_bytes, kd, vd, ks, vs, scale, window or 0,
+        q, k, v, raw16, block_table, out, row0, n, context_len, row_bytes, kd, vd, ks, vs, scale, window or 0,
         softcap or 0.0, H=H, KVH=KVH, G=G, D=D, BS=store.block_size, BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_D=_pow2(D),
         QUANT=quant, F32_DOT=q.dtype == torch.float32 or INTERPRETED)
 
