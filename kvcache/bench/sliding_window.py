@@ -78,8 +78,7 @@ def _peak_per_request(llm, length: int, prompt_len: int) -> int:
     eng = llm.engine
     eng.add_request("one", _prompt(prompt_len, 1), SamplingParams(temperature=0, max_tokens=length - prompt_len,
                                                                   ignore_eos=True))
-    while eng.has_unfinished_requests():
-        eng.step()
+    eng.run_to_completion()
     eng.check_no_leaks()
     return eng.stats.peak_used_blocks * _block_bytes(llm)
 
@@ -93,8 +92,8 @@ def _concurrency(llm, n: int, length: int, prompt_len: int) -> dict:
                                                                        ignore_eos=True))
     decoding, waiting, done = [], [], {}
     t = time.perf_counter()
-    while eng.has_unfinished_requests():
-        for o in eng.step():
+    for outs in eng.steps():
+        for o in outs:
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
         decoding.append(sum(s.num_computed_tokens >= s.num_prompt_tokens for s in eng.scheduler.running))

@@ -266,9 +266,9 @@ def measure_capacity(engine, prompt_len: int, max_tokens: int, seed: int = 0) ->
     peak_running = peak_held = steps = 0
     finished = False
     try:
-        while engine.has_unfinished_requests():
-            waiting = len(sched.waiting)
-            finished = any(out.finished for out in engine.step())
+        waiting = len(sched.waiting)
+        for outs in engine.steps():
+            finished = any(out.finished for out in outs)
             steps += 1
             held = sum(s.num_computed_tokens >= s.num_prompt_tokens for s in sched.running)
             peak_running = max(peak_running, len(sched.running))
@@ -276,6 +276,7 @@ def measure_capacity(engine, prompt_len: int, max_tokens: int, seed: int = 0) ->
             stalled = sched.waiting and held == len(sched.running) and len(sched.waiting) >= waiting
             if finished or stalled:
                 break
+            waiting = len(sched.waiting)  # before the next step
     finally:
         for rid in ids:
             engine.abort_request(rid)
