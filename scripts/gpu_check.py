@@ -101,6 +101,10 @@ def summarize(out: str, steps: list[dict]) -> dict:
         lines.append(f"throughput ({tp['workload']['num_prompts']} requests, {tp['dtype']}): kvcache "
                      f"{k['output_tokens_per_s']:.0f} out tok/s, {k['roofline_fraction']:.0%} of the "
                      f"{tp['roofline']['bound']}-bound roofline")
+        d = k.get("decode_steps")
+        if d:
+            lines.append(f"  decode steps at {d['running']} running: {d['median_s'] * 1e3:.2f} ms, {d['x_roofline']:.2f}x "
+                         f"their memory roofline (target within 2x)")
         if "hf" in tp:
             lines.append(f"  transformers best static batch (bs={tp['hf']['batch_size']}): "
                          f"{tp['hf']['output_tokens_per_s']:.0f} out tok/s; speedup {tp['speedup']:.2f}x (target 5x)")

@@ -59,6 +59,46 @@ class PeakMemory:
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
+class DecodeSteps:
+    """Times the engine's pure-decode steps (every running sequence past its prompt, none waiting), each with its
+    rows and the KV tokens it reads: a decode step must read the weights and every running sequence's cache, so the
+    steps at the most running sequences are compared with that memory roofline. step() returns after the host has
+    the sampled ids, so on a GPU its wall time is the device's."""
+
+    def __init__(self, engine) -> None:
+        self.steps: list[tuple[int, int, float]] = []  # (rows, KV tokens read, seconds)
+        step, sched = engine.step, engine.scheduler
+
+        def timed():
+            running = sched.running
+            pure = bool(running) and not sched.waiting and all(
+                s.num_computed_tokens >= s.num_prompt_tokens for s in running)
+            rows, tokens = len(running), sum(s.num_computed_tokens + 1 for s in running) if pure else 0
+            t = time.perf_counter()
+            out = step()
+            if pure:
+                self.steps.append((rows, tokens, time.perf_counter() - t))
+            return out
+        engine.step = timed
+
+    def at_most_rows(self) -> dict | None:
+        """The steps at the most rows seen: their count, median time and median KV tokens read."""
+        if not self.steps:
+            return None
+        import statistics
+        most = max(r for r, _, _ in self.steps)
+        at = [(n, s) for r, n, s in self.steps if r == most]
+        return {"running": most, "steps": len(at), "median_s": statistics.median(s for _, s in at),
+                "kv_tokens": int(statistics.median(n for n, _ in at))}
+
+
+def decode_roofline(d: dict, weight_bytes: int, kv_bytes_per_token: int, bandwidth_gbs: float) -> None:
+    """Adds to DecodeSteps.at_most_rows' summary the memory roofline of its median step ((weights + the KV it
+    reads) at the measured bandwidth) and how many times that roofline the step took."""
+    d["roofline_s"] = (weight_bytes + d["kv_tokens"] * kv_bytes_per_token) / (bandwidth_gbs * 1e9)
+    d["x_roofline"] = d["median_s"] / d["roofline_s"]
+
+
 def write_json(path: str, results: dict) -> None:
     """Write a benchmark's results (creating the folder) and say so."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -107,6 +147,7 @@ def run_kvcache(args: argparse.Namespace, work: Workload, device: str, keep_outp
     with PeakMemory(device) as rss:
         llm = LLM(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
         params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in work.output_lens]
+        decode = DecodeSteps(llm.engine)
         with profiling(llm.engine) if args.profile else nullcontext() as prof:
             t = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=True)
@@ -124,6 +165,7 @@ def run_kvcache(args: argparse.Namespace, work: Workload, device: str, keep_outp
     res["kv_cache_bytes"] = info["total_bytes"]
     res["weight_bytes"] = info["weight_bytes"]
     res["kv_bytes_per_token"] = info["bytes_per_token"]
+    res["decode_steps"] = decode.at_most_rows()  # the roofline is added once the bandwidth is measured (run)
     if prof is not None:
         res["profile"] = prof.table()
     del llm, outs
@@ -226,6 +268,9 @@ def run(args: argparse.Namespace) -> int:
                            "min_time_s": min_time}
     for r in [results["kvcache"], *results.get("hf", {}).get("by_batch_size", {}).values()]:
         r["roofline_fraction"] = min_time / r["elapsed_s"]
+    for r in {id(r): r for r in [results["kvcache"], *results.get("preemption_modes", {}).values()]}.values():
+        if r.get("decode_steps"):
+            decode_roofline(r["decode_steps"], r["weight_bytes"], r["kv_bytes_per_token"], bandwidth)
     if "hf" in results:
         results["hf"]["roofline_fraction"] = min_time / results["hf"]["elapsed_s"]
     _print_table(results)
@@ -257,6 +302,11 @@ def _print_table(r: dict) -> None:
     for name, v in rows:
         print(f"{name:<22}{v['elapsed_s']:>9.1f}{v['output_tokens_per_s']:>11.1f}{v['total_tokens_per_s']:>13.1f}"
               f"{v['requests_per_s']:>8.2f}{v['peak_memory_bytes'] / 2**20:>14.0f}{v['roofline_fraction']:>9.0%}")
+    d = r["kvcache"].get("decode_steps")
+    if d:
+        print(f"kvcache decode steps at {d['running']} running sequences: {d['median_s'] * 1e3:.2f} ms (median of "
+              f"{d['steps']}); memory roofline {d['roofline_s'] * 1e3:.2f} ms (weights + {d['kv_tokens']:,} KV tokens "
+              f"at {roof['bandwidth_gbs']:.1f} GB/s): {d['x_roofline']:.2f}x")
     if "speedup" in r:
         print(f"\nspeedup (output tokens/s) kvcache / best transformers (bs={r['hf']['batch_size']}): "
               f"{r['speedup']:.2f}x")

@@ -41,7 +41,14 @@ def test_bench_throughput_writes_json_with_baseline(tiny_llama, tmp_path, capsys
     best = max(v["output_tokens_per_s"] for v in r["hf"]["by_batch_size"].values())
     assert r["hf"]["output_tokens_per_s"] == best
     assert r["speedup"] == pytest.approx(r["kvcache"]["output_tokens_per_s"] / best)
+    # the six prompts prefill in one step, then decode together: the steps at six rows against the memory roofline
+    d, k = r["kvcache"]["decode_steps"], r["kvcache"]
+    assert d["running"] == 6 and d["steps"] >= 3 and d["kv_tokens"] >= 6 * 9
+    assert d["roofline_s"] == pytest.approx((k["weight_bytes"] + d["kv_tokens"] * k["kv_bytes_per_token"])
+                                            / (roof["bandwidth_gbs"] * 1e9))
+    assert d["x_roofline"] == pytest.approx(d["median_s"] / d["roofline_s"]) and d["median_s"] > 0
     table = capsys.readouterr().out
+    assert "kvcache decode steps at 6 running sequences" in table
     assert "kvcache" in table and "transformers bs=2" in table and "speedup" in table
     assert f"device: cpu, {dtype} compute, {dtype} KV cache" in table and "-bound)" in table
 
