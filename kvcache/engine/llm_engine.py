@@ -108,6 +108,18 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        """Start-up in its order: what can be refused is checked before anything loads; then the weights; then the
+        KV budget, pool and scheduler; then the step's machinery (runner, graphs, evictor) and request state."""
+        loaded, draft, tiers, why = self._check(config, loaded)
+        self._load(config, loaded, draft)
+        self._allocate(config, loaded, tiers)
+        self._log_layout(config)
+        self._prepare_steps(config, loaded.config)
+        self._log_start(config, why)
+
+    def _check(self, config: EngineConfig, loaded: LoadedModel | None):
+        """Device, dtype, lengths, shapes and every setting checked against the checkpoint, before anything is
+        loaded (the tokenizer and config are read); (loaded, draft, offload tiers, why this backend)."""
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
         if slow := slow_half_precision(self.device, self.dtype):
@@ -137,6 +149,10 @@ class LLMEngine:
         windows = layer_windows(hf)
         self._sliding = any(w is not None for w in windows)
         self.release_window = release_window(self.shape, config)
+        if config.speculative is not None and self.release_window:
+            raise ValueError("speculative_config cannot be combined with a sliding window whose blocks are given back "
+                             "(a rejected token would move the window past blocks still needed); use "
+                             "--prefix-caching-algo radix to keep every block")
         self.layer_groups = layer_groups_for(self.shape, config, self.kv_dtype)  # [] : one table of every layer
         if any(windows[i] != g.window for g in self.layer_groups for i in g.layers):
             raise RuntimeError(f"the planner's layer groups {self.layer_groups} do not match the model's windows {windows}")
@@ -152,6 +168,12 @@ class LLMEngine:
         self.kv_events = KVEventLog(config.block_size) if config.kv_events_endpoint else None
         self.event_publisher = ZmqEventPublisher(self.kv_events, config.kv_events_endpoint, config.kv_events_topic) \
             if self.kv_events else None  # before the model loads too: an endpoint in use is refused first
+        return loaded, draft, tiers, why
+
+    def _load(self, config: EngineConfig, loaded: LoadedModel, draft) -> None:
+        """The model's weights (this rank's slices under tensor parallelism, the workers loading theirs meanwhile)
+        and the draft model's."""
+        tp_size, spec = config.tensor_parallel_size, config.speculative
         if tp_size > 1:  # the workers load their slices while this rank loads its own (__init__ closes them on failure)
             serve_as_launched_worker(loaded.source, tp_size, self.max_model_len, self.device, self.dtype,
                                      config.quantization)  # torchrun's ranks > 0 work here, then exit
@@ -164,6 +186,10 @@ class LLMEngine:
         self.drafter = None if draft is None else DraftProposer(
             draft, self.max_model_len, self.device, self.dtype, self.kv_dtype,
             spec.quantization or config.quantization, self.backend, config.max_num_batched_tokens)
+
+    def _allocate(self, config: EngineConfig, loaded: LoadedModel, tiers) -> None:
+        """The KV budget (after the CUDA graphs' memory), the block manager, the store, the offload tiers and the
+        scheduler."""
         group_of = {i: g for g, group in enumerate(self.layer_groups) for i in group.layers}
         self._layer_group = [group_of[i] for i in range(self.shape.num_layers)] if self.layer_groups else None
         self.graphs = DecodeGraphPlan(config, self.device, self.backend, self.model, self.max_model_len,
@@ -181,12 +207,15 @@ class LLMEngine:
             self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size, caching,
                                      seq_blocks=self.capacity.seq_blocks, events=self.kv_events)
         self.store = self._make_store(self.capacity.num_blocks + 1, self.capacity.bytes_per_token)
-        local_store = self.store
+        local_store = self._local_store = self.store  # this rank's: self.store reaches every rank under TP
         if self.tp is not None:  # every rank's store has as many blocks; forks' copies and scrubs reach them all
             self.store = MirroredStore(local_store, self.tp)
         self.offload = make_offloader(tiers, self.store, loaded.source, self.kv_events, compute=str(self.dtype), kv=self.kv_dtype,
                                       block_size=config.block_size, quantization=config.quantization)
         self.scheduler = Scheduler(config, self.kv, self.offload)
+
+    def _log_layout(self, config: EngineConfig) -> None:
+        """Logs how the pool's tables are laid out where layers differ (groups, windows)."""
         if self.layer_groups:
             kinds = collections.Counter("full" if g.window is None else f"sliding {g.window:,}"
                                         for g in self.layer_groups)
@@ -198,11 +227,11 @@ class LLMEngine:
             log.info("sliding window: %s", f"blocks older than {self.release_window:,} tokens are given back as "
                      "sequences advance" if self.release_window else
                      why_every_block_is_kept(self.shape, config, self.kv_dtype))
+
+    def _prepare_steps(self, config: EngineConfig, hf) -> None:
+        """The runner and its CUDA graphs, the evictor, the draft's cache, and empty request state."""
+        local_store = self._local_store
         self.spec = config.speculative
-        if self.spec is not None and self.release_window:
-            raise ValueError("speculative_config cannot be combined with a sliding window whose blocks are given back "
-                             "(a rejected token would move the window past blocks still needed); use "
-                             "--prefix-caching-algo radix to keep every block")
         self.runner = ModelRunner(self.model, local_store, self.kv, self.device, self.backend, self._layer_group)
         self.runner.graphs = self.graphs.capture(local_store, self.capacity.num_blocks + 1)
         if self.tp is not None:
@@ -221,6 +250,9 @@ class LLMEngine:
         self._failed: set[str] = set()  # requests failed in this step (they are among its outputs)
         self._consecutive_failures = 0  # steps in a row that failed with no request to blame
         self.stop = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
+
+    def _log_start(self, config: EngineConfig, why: str) -> None:
+        """Logs the weights, the backend and the KV budget, and the pool it bought."""
         c = self.capacity
         log.info("weights: %.2f GiB of %s on %s; attention backend %s (%s); KV budget %s",
                  self.model.weight_bytes / 2**30, str(self.dtype).removeprefix("torch.") + (
