@@ -48,8 +48,8 @@ def _load_tile(x_ptr, raw16_ptr, phys, off, kh, d, tmask, dmask, row_bytes, data
                BS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr):
     """K or V of BLOCK_N tokens, token i at slot off[i] of physical block phys[i], KV head kh, channels d:
     [BLOCK_N, BLOCK_D] values (a quantized store's codes as their values, unscaled, float32) and, for a
-    quantized store, the tokens' scales [BLOCK_N] (ones otherwise): dot products take codes, the scales multiply
-    their results. QUANT: 0 a full-precision store, 1 fp8 e4m3 codes, 2 fp8 e5m2, 3 int8 (each value exact in
+    quantized store, the tokens' scales [BLOCK_N] (ones otherwise): the scores' dot product takes K's codes and
+    the scales multiply its results; V is scaled in registers. QUANT: 0 a full-precision store, 1 fp8 e4m3 codes, 2 fp8 e5m2, 3 int8 (each value exact in
     bf16 and fp16), converted by bitcast in registers (a 256-entry table gathered per value ran at 4% of the
     memory bandwidth on an H200)."""
     m = tmask[:, None] & dmask[None, :]
@@ -129,11 +129,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, table_ptr, lens_ptr, out_ptr,
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = p * vscale[None, :]
+        # V dequantized in registers, not its scale folded into p: p times a small scale (fp8_e5m2's are ~1e-4)
+        # underflows float16 over long contexts
+        v = v.to(tl.float32) * vscale[:, None]
         if F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     omask = gmask[:, None] & dmask[None, :]
     if SPLIT:
@@ -147,8 +149,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, table_ptr, lens_ptr, out_ptr,
 
 
 @triton.jit
-def _reduce_kernel(acc_ptr, ml_ptr, out_ptr, D: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+def _reduce_kernel(acc_ptr, ml_ptr, out_ptr, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Combine the split-K parts of one (sequence, head) row: their maxima, sums and unnormalised outputs."""
     row = tl.program_id(0)
     sp = tl.arange(0, BLOCK_S)
@@ -306,7 +307,8 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_ta
     _decode_kernel[(B, KVH, num_splits)](q, k, v, raw16, table, context_lens, out, acc, ml, table.stride(0),
                                          row_bytes, kd, vd, ks, vs, scale, window or 0, per_split, softcap or 0.0,
                                          SPLIT=True, **args)
-    _reduce_kernel[(B * H,)](acc, ml, out, D=D, S=num_splits, BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(D))
+    # the number of splits a runtime argument: eager steps' table widths vary it, each would compile anew
+    _reduce_kernel[(B * H,)](acc, ml, out, num_splits, D=D, BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(D))
 
 
 def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:

@@ -176,6 +176,30 @@ def test_the_engine_on_the_triton_backend_matches_the_torch_backend(tiny_model_d
     tri.engine.check_no_leaks()
 
 
+@pytest.mark.parametrize("kv", ["fp8_e5m2", "int8"])
+def test_half_precision_decode_on_the_tensor_core_path_over_a_long_quantized_context(kv, monkeypatch):
+    """float16 compute takes tl.dot in float16 (the interpreter's tests otherwise take the float32 path). One key
+    scores 8 above the 1,499 others, whose unnormalised weights (e^-8, 3e-4 each) carry a third of the output:
+    times fp8_e5m2's per-token scales (6e-5) they underflow float16, had V's scales been folded into the weights
+    instead of V."""
+    monkeypatch.setattr(ta, "INTERPRETED", False)  # the interpreter's float16 products are right (bfloat16's are not)
+    n, bs, d = 1500, 16, 16
+    store = make_store(1, 2 + n // bs, bs, 1, d, kv, torch.float16, DEVICE)
+    k = torch.ones(n, 1, d)
+    k[700] *= 5
+    v = torch.randn(n, 1, d, generator=torch.Generator().manual_seed(6)) * 0.5 + 1  # the others' V do not cancel
+    table = list(range(1, 1 + -(-n // bs)))
+    store.write(0, torch.arange(bs, bs + n, device=DEVICE), k.half().to(DEVICE), v.half().to(DEVICE))
+    kq, vq = store.gather(0, torch.tensor(table, device=DEVICE))
+    kq, vq = kq.flatten(0, 1)[:n].float().cpu(), vq.flatten(0, 1)[:n].float().cpu()
+    q = torch.full((1, 2, d), 0.5).half().to(DEVICE)
+    out = torch.empty_like(q)
+    ta.paged_decode(out, q, store, 0, padded([table]), torch.tensor([n], device=DEVICE), 0.25, None, num_splits=2)
+    ref = reference(q.cpu(), kq, vq, n - 1, 0.25, None)[0]
+    torch.testing.assert_close(out[0].float().cpu(), ref.float(), atol=tolerance(torch.float16),
+                               rtol=rel_tolerance(torch.float16))
+
+
 def test_decode_reads_only_each_sequences_own_blocks_of_a_wide_table():
     """A CUDA graph's table is as wide as a max_model_len sequence, its unused entries left from earlier steps: each
     sequence's blocks split among the split-K programs by its own length give the tight table's result."""
