@@ -51,10 +51,11 @@ def run_step(name: str, cmd: list[str], out: str, timeout: int) -> dict:
     t = time.perf_counter()
     timeout = int(min(timeout, DEADLINE[0] - t))
     if timeout < 10:
-        print(f"{name}: skipped (--deadline reached)", flush=True)
-        return {"step": name, "returncode": "skipped", "seconds": 0.0, "command": " ".join(cmd)}
+        return skipped(name, " ".join(cmd))
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
-    env.setdefault("KVCACHE_CPU_KERNEL", "0")  # the C++ CPU kernels serve no step here: not compiled (a minute)
+    import torch
+    if torch.cuda.is_available():  # the C++ CPU kernels serve no step there: not compiled (a minute)
+        env.setdefault("KVCACHE_CPU_KERNEL", "0")
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         try:
             rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
@@ -65,9 +66,17 @@ def run_step(name: str, cmd: list[str], out: str, timeout: int) -> dict:
     return step
 
 
-def make_model(directory: str, config: dict) -> str:
-    """A random-weight Llama of `config`'s shape in bfloat16, saved with a word-level tokenizer (prompts are ids)."""
+def skipped(name: str, command: str = "") -> dict:
+    print(f"{name}: skipped (--deadline reached)", flush=True)
+    return {"step": name, "returncode": "skipped", "seconds": 0.0, "command": command}
+
+
+def make_model(directory: str, config: dict) -> str | None:
+    """A random-weight Llama of `config`'s shape in bfloat16, saved with a word-level tokenizer (prompts are ids);
+    None, and nothing built, where --deadline leaves no time for a step that would use it."""
     import torch
+    if DEADLINE[0] - time.perf_counter() < 30:
+        return None
     from transformers import AutoModelForCausalLM, LlamaConfig
     sys.path.insert(0, ROOT)
     from kvcache.models.random_checkpoint import write_tokenizer
@@ -77,6 +86,8 @@ def make_model(directory: str, config: dict) -> str:
         model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.bfloat16)
     model.save_pretrained(directory)
     write_tokenizer(directory, config["vocab_size"])
+    del model
+    torch.cuda.empty_cache()  # the steps after this size their KV caches from the device's free memory
     return directory
 
 
@@ -133,6 +144,9 @@ def main() -> int:
     if args.deadline:
         DEADLINE[0] = time.perf_counter() + args.deadline
     os.makedirs(args.out, exist_ok=True)
+    for name in ("attention.json", "throughput.json", "graphs.json", "eager.json", "test_failures.log"):
+        if os.path.isfile(os.path.join(args.out, name)):  # an earlier run's, which a skipped step would leave
+            os.remove(os.path.join(args.out, name))
     skip = set(filter(None, args.skip.split(",")))
     py = sys.executable
     steps = []
@@ -156,25 +170,25 @@ def main() -> int:
         steps.append(run_step("tests", [*pytest, *par, "-m", "(cuda or triton) and not gpu_memory"], args.out, 240))
         steps.append(run_step("tests_memory", [*pytest, "-m", "gpu_memory"], args.out, 90))
     if "throughput" not in skip:
-        model = make_model(os.path.join(args.out, "model"), SMALL if args.small else LLAMA_32_1B)
+        model = make_model(os.path.join(args.out, "model"), SMALL if args.small else LLAMA_32_1B) or ""
         work = (["--num-prompts", "8", "--input-len", "16:64", "--output-len", "4:16", "--hf-batch-sizes", "4,8"]
                 if args.small else ["--num-prompts", "256", "--input-len", "128:1024", "--output-len", "64:512",
                                     "--hf-batch-sizes", "64,256"])
-        steps.append(run_step("throughput", [py, "-m", "kvcache.cli", "bench", "throughput", "--model", model, *work,
+        steps.append(skipped("throughput") if not model else run_step("throughput", [py, "-m", "kvcache.cli", "bench", "throughput", "--model", model, *work,
                                              "--seed", "0", "--baseline", "hf", "--dtype", "bfloat16", "--max-model-len",
                                              "2048", "--json", os.path.join(args.out, "throughput.json")],
                               args.out, 300))
     if "graphs" not in skip:  # single-stream decode, CUDA graphs against --enforce-eager, on the same model
         model = os.path.join(args.out, "model")
         if not os.path.isdir(model):
-            make_model(model, SMALL if args.small else LLAMA_32_1B)
+            model = make_model(model, SMALL if args.small else LLAMA_32_1B) or ""
         work = ["--num-prompts", "2" if args.small else "4", "--input-len", "128", "--output-len",
                 "16" if args.small else "256", "--max-num-seqs", "1", "--seed", "0", "--dtype", "bfloat16",
                 "--max-model-len", "2048"]
         for name, extra in (("graphs", []), ("eager", ["--enforce-eager"])):
-            steps.append(run_step(f"decode_{name}", [py, "-m", "kvcache.cli", "bench", "throughput", "--model", model,
-                                                     *work, *extra, "--json", os.path.join(args.out, f"{name}.json")],
-                                  args.out, 150))
+            cmd = [py, "-m", "kvcache.cli", "bench", "throughput", "--model", model, *work, *extra, "--json",
+                   os.path.join(args.out, f"{name}.json")]
+            steps.append(run_step(f"decode_{name}", cmd, args.out, 150) if model else skipped(f"decode_{name}"))
     summarize(args.out, steps)
     return 0 if all(s["returncode"] == 0 for s in steps) else 1
 

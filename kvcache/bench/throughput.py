@@ -71,12 +71,14 @@ class DecodeSteps:
 
         def timed():
             running = sched.running
-            pure = bool(running) and not sched.waiting and all(
-                s.num_computed_tokens >= s.num_prompt_tokens for s in running)
-            rows, tokens = len(running), sum(s.num_computed_tokens + 1 for s in running) if pure else 0
+            # every sequence one token short of its cache (a recomputing one is not), none waiting to come in
+            pure = bool(running) and not sched.waiting and all(s.num_tokens - s.num_computed_tokens == 1
+                                                                for s in running)
+            rows, preempted = len(running), sched.num_preemptions
+            tokens = sum(s.num_computed_tokens - s.num_evicted + 1 for s in running) if pure else 0
             t = time.perf_counter()
             out = step()
-            if pure:
+            if pure and sched.num_preemptions == preempted:  # a preemption: fewer rows ran than counted
                 self.steps.append((rows, tokens, time.perf_counter() - t))
             return out
         engine.step = timed
