@@ -7,8 +7,9 @@ English words). Around each workload the ingress's /metrics (every replica's cou
 read: the prefix-cache hit rate is the prompt tokens found cached over those looked up, summed over replicas. The
 table has hit rate, mean TTFT and output tok/s per policy and workload, and KV-aware's ratio to round-robin.
 
-Defaults (the issue's): 4 replicas; shared-prefix 16 system prompts x 8 users (prefix 256 words, each user 32 of its
-own) sent in a seeded random order, multi-turn 16 conversations of 4 turns sharing one system prompt; the demo model
+Defaults (the issue's): 4 replicas; 16 system prompts x 8 users (prefix 256 words, each user message 32 of its own),
+in a seeded random order: shared-prefix, one request per user; multi-turn, one conversation of 2 turns per user (the
+second sent after the first's answer, with the whole history); the demo model
 with a small pool each (128 MiB, 2,900 tokens: a replica holds a quarter of the system prompts beside its running
 requests, not all of them, which is what routing is for).
 """
@@ -34,13 +35,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "system prompts fits beside the running requests, all of them do not)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--routing-balance", type=float, default=4, help="kv-aware's --routing-balance")
-    p.add_argument("--groups", type=int, default=16, help="shared-prefix: system prompts")
-    p.add_argument("--users", type=int, default=8, help="shared-prefix: requests per system prompt")
+    p.add_argument("--groups", type=int, default=16, help="system prompts (both workloads)")
+    p.add_argument("--users", type=int, default=8, help="users per system prompt: shared-prefix, one request each; "
+                   "multi-turn, one conversation each")
     p.add_argument("--prefix-len", type=int, default=256, help="words of each system prompt")
     p.add_argument("--suffix-len", type=int, default=32, help="words of each user's own message")
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--conversations", type=int, default=16, help="multi-turn: conversations")
-    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--turns", type=int, default=2, help="multi-turn: turns per conversation (each after the last "
+                   "one's answer, with the whole history)")
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--workloads", default="shared-prefix,multi-turn")
     p.add_argument("--seed", type=int, default=0)
@@ -95,8 +97,9 @@ def _workload_args(args, name: str, url: str, out: str) -> list[str]:
         return common + ["--workload", "shared-prefix", "--num-groups", str(args.groups), "--requests-per-group",
                          str(args.users), "--prefix-len", str(args.prefix_len), "--suffix-len", str(args.suffix_len),
                          "--shuffle"]
-    return common + ["--workload", "multi-turn", "--num-conversations", str(args.conversations), "--num-turns",
-                     str(args.turns), "--prefix-len", str(args.prefix_len), "--suffix-len", str(args.suffix_len)]
+    return common + ["--workload", "multi-turn", "--num-conversations", str(args.groups * args.users),
+                     "--num-system-prompts", str(args.groups), "--num-turns", str(args.turns), "--prefix-len",
+                     str(args.prefix_len), "--suffix-len", str(args.suffix_len), "--shuffle"]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -127,15 +127,20 @@ def shared_prefix_conversations(groups: int, per_group: int, prefix_len: int, su
 
 
 def multi_turn_conversations(conversations: int, turns: int, prefix_len: int, suffix_len: int, output_len: int,
-                             seed: int) -> list[Conversation]:
-    """C conversations of T turns sharing one `prefix_len`-word system prompt; each user message `suffix_len` words."""
-    if min(conversations, turns, prefix_len, suffix_len) < 1:
-        raise ValueError(f"--num-conversations, --num-turns, --prefix-len and --suffix-len must be >= 1, got "
-                         f"{conversations}, {turns}, {prefix_len}, {suffix_len}")
+                             seed: int, system_prompts: int = 1, shuffle: bool = False) -> list[Conversation]:
+    """C conversations of T turns, conversation i behind system prompt i % S (`prefix_len` words; S = 1: one
+    shared by all); each user message `suffix_len` words. With `shuffle`, the conversations start in a seeded random
+    order (the system prompts interleaved, not in a cycle)."""
+    if min(conversations, turns, prefix_len, suffix_len, system_prompts) < 1:
+        raise ValueError(f"--num-conversations, --num-turns, --prefix-len, --suffix-len and --num-system-prompts must "
+                         f"be >= 1, got {conversations}, {turns}, {prefix_len}, {suffix_len}, {system_prompts}")
     rng = np.random.default_rng(seed)
-    system = _words(rng, prefix_len)
-    return [Conversation(system, [_words(rng, suffix_len) for _ in range(turns)], [output_len] * turns)
-            for _ in range(conversations)]
+    systems = [_words(rng, prefix_len) for _ in range(system_prompts)]
+    convs = [Conversation(systems[i % system_prompts], [_words(rng, suffix_len) for _ in range(turns)],
+                          [output_len] * turns) for i in range(conversations)]
+    if shuffle:
+        convs = [convs[i] for i in rng.permutation(len(convs))]
+    return convs
 
 
 def arrival_offsets(n: int, request_rate: float, seed: int) -> np.ndarray:
@@ -385,8 +390,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: words of each request's own suffix; "
                    "multi-turn: words of each user message")
     p.add_argument("--shuffle", action="store_true", help="shared-prefix: send the requests in a seeded random order "
-                   "(default: request i of group i %% G, the groups in a cycle)")
+                   "(default: request i of group i %% G, the groups in a cycle); multi-turn: the conversations start in "
+                   "such an order")
     p.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations")
+    p.add_argument("--num-system-prompts", type=int, default=1, help="multi-turn: conversation i is behind system "
+                   "prompt i %% S (default 1: one shared by all)")
     p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (multi-turn: "
                    "conversation starts); default inf: all at once")
@@ -415,8 +423,9 @@ def _conversations(args: argparse.Namespace) -> tuple[list[Conversation], dict]:
                        "requests_per_group": args.requests_per_group, "shuffle": args.shuffle,
                        "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "output_len": lo}
     convs = multi_turn_conversations(args.num_conversations, args.num_turns, args.prefix_len, args.suffix_len, lo,
-                                     args.seed)
+                                     args.seed, args.num_system_prompts, args.shuffle)
     return convs, {"name": "multi-turn", "conversations": args.num_conversations, "turns": args.num_turns,
+                   "system_prompts": args.num_system_prompts, "shuffle": args.shuffle,
                    "system_prompt_len": args.prefix_len, "user_len": args.suffix_len, "output_len": lo}
 
 

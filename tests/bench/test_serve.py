@@ -314,3 +314,19 @@ def test_shuffled_shared_prefix_requests_are_the_same_requests_in_another_order(
     # unshuffled, request i is in group i % G: a round-robin over 4 replicas would follow the groups exactly
     prefixes = [key(c).rsplit(" ", 4)[0] for c in plain]
     assert prefixes[:4] == prefixes[4:8]
+
+
+def test_multi_turn_conversations_behind_several_system_prompts():
+    """The issue's replica workload: S system prompts x U users, conversation i behind system prompt i % S; shuffled,
+    the same conversations start in another order. One system prompt (the default) keeps the earlier workload."""
+    convs = multi_turn_conversations(12, 2, 8, 4, 3, seed=5, system_prompts=4)
+    systems = [c.system for c in convs]
+    assert len(set(systems)) == 4 and systems[:4] == systems[4:8] == systems[8:]
+    assert all(len(c.turns) == 2 and c.output_lens == [3, 3] for c in convs)
+    mixed = multi_turn_conversations(12, 2, 8, 4, 3, seed=5, system_prompts=4, shuffle=True)
+    key = lambda c: (c.system, tuple(c.turns))  # noqa: E731
+    assert sorted(map(key, convs)) == sorted(map(key, mixed)) and list(map(key, convs)) != list(map(key, mixed))
+    one = multi_turn_conversations(3, 2, 8, 4, 3, seed=5)
+    assert len({c.system for c in one}) == 1 and one[0].turns == multi_turn_conversations(3, 2, 8, 4, 3, 5)[0].turns
+    with pytest.raises(ValueError, match="--num-system-prompts must be >= 1, got 3, 2, 8, 4, 0"):
+        multi_turn_conversations(3, 2, 8, 4, 3, seed=5, system_prompts=0)
