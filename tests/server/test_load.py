@@ -57,8 +57,9 @@ def test_200_concurrent_streams_with_a_fifth_hanging_up(tiny_llama):
         m = scrape(srv.url)
         assert m["kvcache:num_requests_running"] == 0 and m["kvcache:num_requests_waiting"] == 0
         assert m["kvcache:kv_blocks{state=used}"] == 0
-        assert m["kvcache:request_success_total{finished_reason=length}"] == 160
-        # a hung-up request is aborted, unless it had already finished when the server noticed
+        # every completed stream finished by length; a hung-up request is aborted, unless it had already finished
+        # when the server noticed (24 tokens: under load the client reads its third chunk late; 13 of 40 had, once)
+        assert m["kvcache:request_success_total{finished_reason=length}"] >= 160
         assert m["kvcache:request_success_total{finished_reason=length}"] + m.get(
             "kvcache:request_success_total{finished_reason=abort}", 0) == 200
         eng = srv.loop.engine
