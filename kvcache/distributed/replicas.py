@@ -72,7 +72,12 @@ class PrefixRouter:
     - any other request (a new prefix) goes to the replica holding the fewest prefix blocks (its "smallest tree"),
       so that distinct prefixes spread evenly over the replicas' caches instead of piling where load last dipped;
     - ties go to the least loaded, then the least KV usage.
-    A prefix every replica holds (a common system prompt) matches everywhere alike, so those requests spread by load."""
+    A prefix every replica holds (a common system prompt) matches everywhere alike, so those requests spread by load.
+
+    The record of what a replica holds is bounded by its pool (`set_pool`, from the replica's KV size; SGLang's router
+    bounds its trees alike): past it the replica's least recently sent blocks are dropped, a chain's last blocks
+    first, as the replica's own LRU gives them back. Without the bound the router kept sending a conversation to the
+    replica that once held its history, long after that replica had evicted it."""
 
     CACHE_SHARE = 0.5  # SGLang's --cache-threshold default
 
@@ -84,6 +89,8 @@ class PrefixRouter:
         self.n, self.policy, self.balance = num_replicas, policy, balance
         self.index: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> bit mask of the replicas sent it
         self.held = [0] * num_replicas  # chain hashes in the index per replica (its record's size)
+        self.recent: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]  # LRU per replica
+        self.capacity: list[int | None] = [None] * num_replicas  # blocks each replica's pool holds (None: unknown)
         self.inflight = [0] * num_replicas
         self.kv_usage = [0.0] * num_replicas
         self.down_until = [0.0] * num_replicas
@@ -134,19 +141,39 @@ class PrefixRouter:
         return min(live, key=lambda r: (self.held[r], self.inflight[r], self.kv_usage[r]))
 
     def routed(self, keys: list[bytes], replica: int) -> None:
-        """Remember that `replica` now holds these prefixes."""
-        bit = 1 << replica
-        for k in keys:
-            mask = self.index.get(k, 0)
-            if not mask & bit:
-                self.held[replica] += 1
-            self.index[k] = mask | bit
+        """Remember that `replica` now holds these prefixes (the most recently used of its blocks, the chain's first
+        ones most of all), forgetting what its pool can no longer hold."""
+        bit, recent = 1 << replica, self.recent[replica]
+        for k in reversed(keys):
+            self.index[k] = self.index.get(k, 0) | bit
             self.index.move_to_end(k)
+            recent[k] = None
+            recent.move_to_end(k)
+        self._trim(replica)
         while len(self.index) > INDEX_ENTRIES:
-            _, mask = self.index.popitem(last=False)
+            k, mask = self.index.popitem(last=False)
             for r in range(self.n):
                 if mask >> r & 1:
-                    self.held[r] -= 1
+                    del self.recent[r][k]
+                    self.held[r] = len(self.recent[r])
+        self.held[replica] = len(recent)
+
+    def set_pool(self, replica: int, tokens: int) -> None:
+        """`replica`'s KV pool holds `tokens` tokens: its record keeps at most that many blocks' worth of keys (a key
+        covers TOKEN_BLOCK token ids, or CHAR_BLOCK characters: about as many tokens of English text)."""
+        self.capacity[replica] = max(1, tokens // TOKEN_BLOCK)
+        self._trim(replica)
+
+    def _trim(self, replica: int) -> None:
+        cap, recent, bit = self.capacity[replica], self.recent[replica], 1 << replica
+        while cap is not None and len(recent) > cap:
+            k, _ = recent.popitem(last=False)
+            mask = self.index[k] & ~bit
+            if mask:
+                self.index[k] = mask
+            else:
+                del self.index[k]
+        self.held[replica] = len(recent)
 
     def forget(self, replica: int) -> int:
         """Drop every prefix `replica` was sent (it lost its cache: restarted, or unreachable and so restarting);
@@ -154,12 +181,13 @@ class PrefixRouter:
         held, bit = self.held[replica], 1 << replica
         if not held:
             return 0
-        for k in [k for k, mask in self.index.items() if mask & bit]:
+        for k in self.recent[replica]:
             mask = self.index[k] & ~bit
             if mask:
                 self.index[k] = mask
             else:
                 del self.index[k]
+        self.recent[replica].clear()
         self.held[replica] = 0
         self.resets += 1
         return held
@@ -241,7 +269,8 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
         def load(self) -> dict:
             info = self.loop.engine.kv_cache_info()
             return {"kv_usage": info["usage"], "prefix_cache_hits": info["prefix_cache_hits"],
-                    "prefix_cache_queries": info["prefix_cache_queries"], "pid": os.getpid()}
+                    "prefix_cache_queries": info["prefix_cache_queries"], "pid": os.getpid(),
+                    "pool_tokens": info["num_tokens"]}
 
         def check_health(self) -> None:
             if not self.loop.alive or not self.thread.is_alive():
@@ -286,6 +315,7 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
                         continue
                     self.router.kv_usage[i] = info["kv_usage"]
                     self._seen(i, info["pid"])
+                    self.router.set_pool(i, info["pool_tokens"])
                 await asyncio.sleep(POLL_S)
 
         async def _proxy(self, request: Request, path: str):

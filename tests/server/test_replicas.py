@@ -69,6 +69,29 @@ def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
         PrefixRouter(2, "random")
 
 
+def test_the_record_of_a_replica_is_bounded_by_its_pool_and_drops_chains_from_their_ends():
+    """A replica whose pool holds 6 blocks cannot still hold two 4-block prefixes: the older one's last 2 blocks go
+    from its record (its own LRU gives back a chain's end first), its first 2 stay; another replica's record is
+    untouched, and a smaller pool reported later trims at once."""
+    r = PrefixRouter(2, "kv-aware")
+    r.set_pool(0, 6 * 16)
+    a = prefix_keys({"model": "m", "prompt": list(range(64))})  # 4 blocks
+    b = prefix_keys({"model": "m", "prompt": [5] * 64})
+    r.routed(a, 0)
+    r.routed(a, 1)
+    r.routed(b, 0)
+    assert r.matched(a) == [2, 4] and r.matched(b) == [4, 0] and r.held == [6, 4]
+    assert all(k in r.index for k in a)  # replica 1 still holds a's last blocks
+    r.routed(a, 0)  # a used again: now b is the older
+    assert r.matched(a)[0] == 4 and r.matched(b)[0] == 2
+    r.set_pool(1, 2 * 16)
+    assert r.matched(a) == [4, 2] and r.held == [6, 2]
+    r.set_pool(0, 1)  # less than a block: one key kept, the most recent chain's first
+    assert r.held[0] == 1 and r.matched(a)[0] == 1 and r.matched(b)[0] == 0
+    assert r.forget(0) == 1 and r.held == [0, 2] and r.matched(a) == [0, 2]
+    assert len(r.index) == 2  # only replica 1's two keys remain
+
+
 def test_a_replica_that_lost_its_cache_is_forgotten_and_others_keep_theirs():
     r = PrefixRouter(3, "kv-aware")
     a = prefix_keys({"model": "m", "prompt": list(range(48))})  # 3 blocks
