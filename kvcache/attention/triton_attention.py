@@ -121,7 +121,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, table_ptr, lens_ptr, out_ptr,
             scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k.to(q.dtype)))
-        scores = scores * (kscale * scale)[None, :]  # [BLOCK_G, BLOCK_N]
+        if QUANT > 0:  # a constexpr: a full-precision store's path has no scales to apply
+            scores = scores * (kscale * scale)[None, :]  # [BLOCK_G, BLOCK_N]
+        else:
+            scores = scores * scale
         if softcap > 0:
             scores = _softcap(scores, softcap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -131,9 +134,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, table_ptr, lens_ptr, out_ptr,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # V dequantized in registers, not its scale folded into p: p times a small scale (fp8_e5m2's are ~1e-4)
         # underflows float16 over long contexts
-        v = v.to(tl.float32) * vscale[:, None]
+        if QUANT > 0:
+            v = v.to(tl.float32) * vscale[:, None]
         if F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
@@ -201,8 +205,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, raw16_ptr, table_ptr, out_ptr, row0, n,
                            QUANT)
         v, vs = _load_tile(v_ptr, raw16_ptr, phys, t, kh, d, kvalid, dmask, row_bytes, vd_off, vs_off, BS, KVH, D,
                            QUANT)
-        k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
-        v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+        if QUANT > 0:
+            k = k.to(tl.float32) * ks[:, None]
+            v = v.to(tl.float32) * vs[:, None]
+        k, v = k.to(q.dtype), v.to(q.dtype)
         if F32_DOT:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
