@@ -88,7 +88,6 @@ class PrefixRouter:
             raise ValueError(f"routing balance must be >= 0, got {balance}")
         self.n, self.policy, self.balance = num_replicas, policy, balance
         self.index: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> bit mask of the replicas sent it
-        self.held = [0] * num_replicas  # chain hashes in the index per replica (its record's size)
         self.recent: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]  # LRU per replica
         self.capacity: list[int | None] = [None] * num_replicas  # blocks each replica's pool holds (None: unknown)
         self.inflight = [0] * num_replicas
@@ -97,6 +96,11 @@ class PrefixRouter:
         self.next = 0
         self.decisions = {"prefix": 0, "least_loaded": 0, "smallest_cache": 0, "round_robin": 0}
         self.resets = 0  # forget() calls that cleared something
+
+    @property
+    def held(self) -> list[int]:
+        """Chain hashes recorded per replica (its record's size)."""
+        return [len(r) for r in self.recent]
 
     def up(self) -> list[int]:
         now = time.monotonic()
@@ -138,7 +142,8 @@ class PrefixRouter:
             self.decisions["least_loaded"] += 1
             return min(live, key=lambda r: (self.inflight[r], self.kv_usage[r]))
         self.decisions["smallest_cache"] += 1
-        return min(live, key=lambda r: (self.held[r], self.inflight[r], self.kv_usage[r]))
+        held = self.held
+        return min(live, key=lambda r: (held[r], self.inflight[r], self.kv_usage[r]))
 
     def routed(self, keys: list[bytes], replica: int) -> None:
         """Remember that `replica` now holds these prefixes (the most recently used of its blocks, the chain's first
@@ -155,8 +160,6 @@ class PrefixRouter:
             for r in range(self.n):
                 if mask >> r & 1:
                     del self.recent[r][k]
-                    self.held[r] = len(self.recent[r])
-        self.held[replica] = len(recent)
 
     def set_pool(self, replica: int, tokens: int) -> None:
         """`replica`'s KV pool holds `tokens` tokens: its record keeps at most that many blocks' worth of keys (a key
@@ -173,12 +176,11 @@ class PrefixRouter:
                 self.index[k] = mask
             else:
                 del self.index[k]
-        self.held[replica] = len(recent)
 
     def forget(self, replica: int) -> int:
         """Drop every prefix `replica` was sent (it lost its cache: restarted, or unreachable and so restarting);
         returns how many it held. Entries no other replica holds leave the index."""
-        held, bit = self.held[replica], 1 << replica
+        held, bit = len(self.recent[replica]), 1 << replica
         if not held:
             return 0
         for k in self.recent[replica]:
@@ -188,7 +190,6 @@ class PrefixRouter:
             else:
                 del self.index[k]
         self.recent[replica].clear()
-        self.held[replica] = 0
         self.resets += 1
         return held
 
