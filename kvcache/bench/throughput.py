@@ -20,7 +20,7 @@ from dataclasses import fields
 
 import psutil
 
-from kvcache.bench.step_profile import print_table as print_profile, profiling
+from kvcache.bench.step_profile import bucket, print_table as print_profile, profiling
 from kvcache.bench.workload import Workload, parse_range, random_workload
 from kvcache.config import EngineConfig
 
@@ -60,28 +60,30 @@ class PeakMemory:
 
 
 class DecodeSteps:
-    """Times the engine's pure-decode steps (every running sequence past its prompt, none waiting), each with its
-    rows and the KV tokens it reads: a decode step must read the weights and every running sequence's cache, so the
-    steps at the most running sequences are compared with that memory roofline. step() returns after the host has
-    the sampled ids, so on a GPU its wall time is the device's."""
+    """Times the engine's decode-only steps (step_profile.bucket's rule, on the chunks the step ran), each with its
+    rows and the KV tokens it read: a decode step must read the weights and every running sequence's cache, so the
+    steps at the most rows are compared with that memory roofline. step() returns after the host has the sampled
+    ids, so on a GPU its wall time is the device's."""
 
     def __init__(self, engine) -> None:
         self.steps: list[tuple[int, int, float]] = []  # (rows, KV tokens read, seconds)
-        step, sched = engine.step, engine.scheduler
+        step, execute = engine.step, engine.runner.execute
+        ran: list[tuple[int, int] | None] = []  # this step's forward: (rows, KV tokens) if it decoded only
+
+        def recorded(chunks):
+            decode = bucket(chunks).startswith("decode")
+            ran.append((len(chunks), sum(s.num_computed_tokens - s.num_evicted + n for s, n in chunks))
+                       if decode else None)
+            return execute(chunks)
 
         def timed():
-            running = sched.running
-            # every sequence one token short of its cache (a recomputing one is not), none waiting to come in
-            pure = bool(running) and not sched.waiting and all(s.num_tokens - s.num_computed_tokens == 1
-                                                                for s in running)
-            rows, preempted = len(running), sched.num_preemptions
-            tokens = sum(s.num_computed_tokens - s.num_evicted + 1 for s in running) if pure else 0
+            ran.clear()
             t = time.perf_counter()
             out = step()
-            if pure and sched.num_preemptions == preempted:  # a preemption: fewer rows ran than counted
-                self.steps.append((rows, tokens, time.perf_counter() - t))
+            if len(ran) == 1 and ran[0] is not None:
+                self.steps.append((*ran[0], time.perf_counter() - t))
             return out
-        engine.step = timed
+        engine.runner.execute, engine.step = recorded, timed
 
     def at_most_rows(self) -> dict | None:
         """The steps at the most rows seen: their count, median time and median KV tokens read."""
