@@ -174,10 +174,9 @@ def main() -> int:
         work = (["--num-prompts", "8", "--input-len", "16:64", "--output-len", "4:16", "--hf-batch-sizes", "4,8"]
                 if args.small else ["--num-prompts", "256", "--input-len", "128:1024", "--output-len", "64:512",
                                     "--hf-batch-sizes", "64,256"])
-        steps.append(skipped("throughput") if not model else run_step("throughput", [py, "-m", "kvcache.cli", "bench", "throughput", "--model", model, *work,
-                                             "--seed", "0", "--baseline", "hf", "--dtype", "bfloat16", "--max-model-len",
-                                             "2048", "--json", os.path.join(args.out, "throughput.json")],
-                              args.out, 300))
+        cmd = [py, "-m", "kvcache.cli", "bench", "throughput", "--model", model, *work, "--seed", "0", "--baseline",
+               "hf", "--dtype", "bfloat16", "--max-model-len", "2048", "--json", os.path.join(args.out, "throughput.json")]
+        steps.append(run_step("throughput", cmd, args.out, 300) if model else skipped("throughput"))
     if "graphs" not in skip:  # single-stream decode, CUDA graphs against --enforce-eager, on the same model
         model = os.path.join(args.out, "model")
         if not os.path.isdir(model):
