@@ -5,21 +5,25 @@ router.
   whole `kvcache serve` app (engine, engine loop, OpenAI routes, metrics) on a loopback port of its own; Ray Serve
   health-checks it (its engine loop must be alive) and restarts it when it dies.
 - The ingress (deployment `router`, Ray Serve's HTTP proxy on --host/--port) proxies each request to one replica,
-  streaming included. `--routing kv-aware` (the default) keeps an approximate prefix index, as SGLang's router does:
-  the prompt (token ids in blocks of 16, text in blocks of 64 characters, chat messages as their JSON) is hashed
-  block by block into a chain, each chain hash remembering the replicas it was sent to; a request goes to the
-  replica it shares its longest prefix with (half its blocks at least) unless that one has more than
-  `--routing-balance` requests in flight above the least loaded, and a new prefix to the replica holding the fewest
-  prefix blocks (PrefixRouter: SGLang's cache-aware rule). `round-robin` is the baseline. A replica with the shared Redis tier configured (--kv-remote) still loads a prefix it misses from the
-  tier, so a misrouted request costs a load, not a prefill.
+  streaming included. `--routing kv-aware` (the default) sends a request to the replica holding its longest prefix
+  (half its blocks at least) unless that one has more than `--routing-balance` requests in flight above the least
+  loaded, and a new prefix to the replica holding the fewest prefix blocks (PrefixRouter: SGLang's cache-aware
+  rule). What a replica holds comes from its KV events (each replica's engine publishes them on an ipc:// endpoint
+  of its own, which the ingress follows: kv_index.py), overlaid with what was sent to it and not yet confirmed; a
+  request is keyed by the engine's own block hashes (the server's tokenizer and chat template, the request's
+  cache_salt), or, when it cannot be hashed so, by an approximate chain of text hashes (prefix_keys) recorded as
+  sent. `round-robin` is the baseline. A replica with the shared Redis tier configured (--kv-remote) still loads a
+  prefix it misses from the tier, so a misrouted request costs a load, not a prefill.
 - GET /metrics merges every replica's metrics with a `replica` label, plus the router's own counters
   (`kvcache:router_requests_total{decision}`, `kvcache:router_prefix_hit_routed_total`,
-  `kvcache:router_retries_total`, `kvcache:router_replica_resets_total`). A replica that cannot be reached before a
+  `kvcache:router_retries_total`, `kvcache:router_replica_resets_total`, `kvcache:router_prompt_keys_total{kind}`,
+  `kvcache:router_kv_event_gaps_total`). A replica that cannot be reached before a
   request starts streaming is skipped for a few seconds and the request retried on another (a request already
   streaming fails with the error).
-- The ingress reads every replica's KV usage and process id each POLL_S seconds. A replica that could not be reached,
-  or that comes back as another process (Ray Serve restarted it), starts with an empty cache: the router forgets
-  every prefix it had sent there (PrefixRouter.forget), so that those prefixes are not sent to it as hits.
+- The ingress reads every replica's KV usage, process id and KV events endpoint each POLL_S seconds. A replica that
+  could not be reached, or that comes back as another process (Ray Serve restarted it), starts with an empty cache:
+  the router forgets everything it held (PrefixRouter.forget), so that those prefixes are not sent to it as hits,
+  and follows the new process's events.
 """
 
 import asyncio
@@ -29,17 +33,22 @@ import json
 import logging
 import os
 import re
+import tempfile
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvcache.distributed.host import free_port, usable_cores
+from kvcache.distributed.kv_index import EngineKeys, EventSubscriber
+from kvcache.memory.kv_events import MEDIUM_POOL
 
 log = logging.getLogger("kvcache")
+Key = bytes | int  # a prefix key: the engine's block hash (EngineKeys), or prefix_keys' approximation
 TOKEN_BLOCK, CHAR_BLOCK = 16, 64
 INDEX_ENTRIES = 200_000  # chain hashes the router remembers (least recently routed forgotten first)
 DOWN_S = 5.0  # a replica that could not be reached is skipped this long
@@ -47,7 +56,9 @@ POLL_S = 1.0  # how often the ingress reads each replica's KV usage and process 
 
 
 def prefix_keys(body: dict) -> list[bytes]:
-    """The chain of block hashes of a request's prompt: key i covers the first i + 1 blocks."""
+    """An approximate chain of block hashes of a request's prompt, for requests EngineKeys cannot hash as the engine
+    does: key i covers the first i + 1 blocks (16 token ids, or 64 characters of text or of the chat messages'
+    JSON)."""
     prompt = body.get("prompt", body.get("messages"))
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         prompt = prompt[0]  # a batch of prompts: route by the first
@@ -64,31 +75,41 @@ def prefix_keys(body: dict) -> list[bytes]:
 
 
 class PrefixRouter:
-    """Which replica a request goes to (no I/O: the ingress keeps the in-flight counts and KV usage it reads).
+    """Which replica a request goes to (no I/O: the ingress keeps the in-flight counts and KV usage it reads, and
+    feeds each replica's KV events to `apply`; one thread calls every method).
 
     KV-aware, SGLang's cache-aware rule (its router's and vllm-router's default) at this scale:
-    - a request whose longest prefix some replica was sent (at least CACHE_SHARE of its blocks) goes to that replica,
+    - a request whose longest prefix some replica holds (at least CACHE_SHARE of its blocks) goes to that replica,
       unless it has more than `balance` requests in flight above the least-loaded one: then to the least loaded;
     - any other request (a new prefix) goes to the replica holding the fewest prefix blocks (its "smallest tree"),
       so that distinct prefixes spread evenly over the replicas' caches instead of piling where load last dipped;
     - ties go to the least loaded, then the least KV usage.
     A prefix every replica holds (a common system prompt) matches everywhere alike, so those requests spread by load.
 
-    The record of what a replica holds is bounded by its pool (`set_pool`, from the replica's KV size; SGLang's router
-    bounds its trees alike): past it the replica's least recently sent blocks are dropped, a chain's last blocks
-    first, as the replica's own LRU gives them back. Without the bound the router kept sending a conversation to the
-    replica that once held its history, long after that replica had evicted it."""
+    What a replica holds is the union of two records, disjoint per replica:
+    - `stored`: the block hashes its pool ("GPU" medium; the offload tiers' media are not counted) holds, from its
+      KV events (BlockStored adds, BlockRemoved removes, AllBlocksCleared clears). A batch whose sequence number
+      does not follow the last one (batches were lost) clears it, to be rebuilt from that batch on.
+    - `recent`: keys sent to it that its events have not confirmed yet (a prefill takes time), or that can never be
+      (the text keys of `prefix_keys`, for requests the ingress cannot hash as the engine does). An event for a key
+      settles it: BlockStored moves it to `stored`, BlockRemoved drops it. What stays is bounded by the replica's
+      pool (`set_pool`; SGLang's router bounds its trees alike): past it the least recently sent keys are dropped, a
+      chain's last blocks first, as the replica's own LRU gives them back. A gap leaves it as it is.
+    `forget` (the replica restarted, or could not be reached) clears both."""
 
     CACHE_SHARE = 0.5  # SGLang's --cache-threshold default
 
-    def __init__(self, num_replicas: int, policy: str = "kv-aware", balance: float = 4) -> None:
+    def __init__(self, num_replicas: int, policy: str = "kv-aware", balance: float = 4,
+                 block_size: int = TOKEN_BLOCK) -> None:
         if policy not in ("kv-aware", "round-robin"):
             raise ValueError(f"routing must be kv-aware or round-robin, got {policy!r}")
         if not balance >= 0:
             raise ValueError(f"routing balance must be >= 0, got {balance}")
-        self.n, self.policy, self.balance = num_replicas, policy, balance
-        self.index: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> bit mask of the replicas sent it
-        self.recent: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]  # LRU per replica
+        self.n, self.policy, self.balance, self.block_size = num_replicas, policy, balance, block_size
+        self.index: OrderedDict[Key, int] = OrderedDict()  # key sent -> bit mask of the replicas `recent` holds it in
+        self.recent: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(num_replicas)]  # LRU per replica
+        self.stored: list[set[int]] = [set() for _ in range(num_replicas)]  # per replica, from its KV events
+        self.next_seq: list[int | None] = [None] * num_replicas  # the sequence number each one's next batch carries
         self.capacity: list[int | None] = [None] * num_replicas  # blocks each replica's pool holds (None: unknown)
         self.inflight = [0] * num_replicas
         self.kv_usage = [0.0] * num_replicas
@@ -96,23 +117,32 @@ class PrefixRouter:
         self.next = 0
         self.decisions = {"prefix": 0, "least_loaded": 0, "smallest_cache": 0, "round_robin": 0}
         self.resets = 0  # forget() calls that cleared something
+        self.gaps = 0  # event batches that did not follow the last one
 
     @property
     def held(self) -> list[int]:
-        """Chain hashes recorded per replica (its record's size)."""
-        return [len(r) for r in self.recent]
+        """Prefix blocks recorded per replica (stored and sent, not yet confirmed)."""
+        return [len(s) + len(r) for s, r in zip(self.stored, self.recent)]
 
     def up(self) -> list[int]:
         now = time.monotonic()
         live = [i for i in range(self.n) if self.down_until[i] <= now]
         return live or list(range(self.n))
 
-    def matched(self, keys: list[bytes]) -> list[int]:
-        """Per replica, the leading blocks of `keys` it was sent before."""
+    def holders(self, key: Key) -> int:
+        """Bit mask of the replicas holding `key`, in either record."""
+        mask = self.index.get(key, 0)
+        for r, stored in enumerate(self.stored):
+            if key in stored:
+                mask |= 1 << r
+        return mask
+
+    def matched(self, keys: list[Key]) -> list[int]:
+        """Per replica, how many leading blocks of `keys` it holds."""
         depth = [0] * self.n
         open_ = (1 << self.n) - 1  # replicas still matching
         for k in keys:
-            open_ &= self.index.get(k, 0)
+            open_ &= self.holders(k)
             if not open_:
                 break
             for r in range(self.n):
@@ -120,7 +150,7 @@ class PrefixRouter:
                     depth[r] += 1
         return depth
 
-    def choose(self, keys: list[bytes], exclude: set[int] = frozenset()) -> int:
+    def choose(self, keys: list[Key], exclude: set[int] = frozenset()) -> int:
         live = [i for i in self.up() if i not in exclude] or [i for i in range(self.n) if i not in exclude]
         if not live:
             raise RuntimeError("no replica left to try")
@@ -145,11 +175,13 @@ class PrefixRouter:
         held = self.held
         return min(live, key=lambda r: (held[r], self.inflight[r], self.kv_usage[r]))
 
-    def routed(self, keys: list[bytes], replica: int) -> None:
-        """Remember that `replica` now holds these prefixes (the most recently used of its blocks, the chain's first
-        ones most of all), forgetting what its pool can no longer hold."""
-        bit, recent = 1 << replica, self.recent[replica]
+    def routed(self, keys: list[Key], replica: int) -> None:
+        """Remember that `replica` was sent these prefixes (the most recently used of its blocks, the chain's first
+        ones most of all), those its events have not shown it holding, forgetting what its pool can no longer hold."""
+        bit, recent, stored = 1 << replica, self.recent[replica], self.stored[replica]
         for k in reversed(keys):
+            if k in stored:
+                continue
             self.index[k] = self.index.get(k, 0) | bit
             self.index.move_to_end(k)
             recent[k] = None
@@ -161,36 +193,60 @@ class PrefixRouter:
                 if mask >> r & 1:
                     del self.recent[r][k]
 
+    def apply(self, replica: int, seq: int, events: list) -> None:
+        """One batch of `replica`'s KV events, numbered `seq`, as kv_index.decode_batch gives them."""
+        if self.next_seq[replica] not in (None, seq):
+            log.info("replica %d's KV events jumped from batch %d to %d: rebuilding its %d stored blocks from here",
+                     replica, self.next_seq[replica], seq, len(self.stored[replica]))
+            self.stored[replica].clear()
+            self.gaps += 1
+        self.next_seq[replica] = seq + 1
+        stored = self.stored[replica]
+        for event in events:
+            if event[0] == "AllBlocksCleared":
+                stored.clear()
+            elif event[-1] == MEDIUM_POOL:  # BlockStored or BlockRemoved, of the pool
+                (stored.update if event[0] == "BlockStored" else stored.difference_update)(event[1])
+                for h in event[1]:
+                    self._unsend(replica, h)
+
     def set_pool(self, replica: int, tokens: int) -> None:
-        """`replica`'s KV pool holds `tokens` tokens: its record keeps at most that many blocks' worth of keys (a key
-        covers TOKEN_BLOCK token ids, or CHAR_BLOCK characters: about as many tokens of English text)."""
-        self.capacity[replica] = max(1, tokens // TOKEN_BLOCK)
+        """`replica`'s KV pool holds `tokens` tokens: its record of keys sent keeps at most that many blocks' worth
+        (a text key covers CHAR_BLOCK characters: about TOKEN_BLOCK tokens of English text)."""
+        self.capacity[replica] = max(1, tokens // self.block_size)
         self._trim(replica)
 
     def _trim(self, replica: int) -> None:
-        cap, recent, bit = self.capacity[replica], self.recent[replica], 1 << replica
+        cap, recent = self.capacity[replica], self.recent[replica]
         while cap is not None and len(recent) > cap:
             k, _ = recent.popitem(last=False)
-            mask = self.index[k] & ~bit
-            if mask:
-                self.index[k] = mask
-            else:
-                del self.index[k]
+            self._unmask(replica, k)
+
+    def _unsend(self, replica: int, key: Key) -> None:
+        """Drop `key` from `replica`'s record of keys sent, if it is there."""
+        if key in self.recent[replica]:
+            del self.recent[replica][key]
+            self._unmask(replica, key)
+
+    def _unmask(self, replica: int, key: Key) -> None:
+        mask = self.index[key] & ~(1 << replica)
+        if mask:
+            self.index[key] = mask
+        else:
+            del self.index[key]
 
     def forget(self, replica: int) -> int:
-        """Drop every prefix `replica` was sent (it lost its cache: restarted, or unreachable and so restarting);
-        returns how many it held. Entries no other replica holds leave the index."""
-        held, bit = len(self.recent[replica]), 1 << replica
-        if not held:
-            return 0
+        """Drop everything recorded of `replica` (it lost its cache: restarted, or unreachable and so restarting),
+        and expect its events afresh; returns how many blocks it held. Keys no other replica was sent leave the
+        index."""
+        held = self.held[replica]
         for k in self.recent[replica]:
-            mask = self.index[k] & ~bit
-            if mask:
-                self.index[k] = mask
-            else:
-                del self.index[k]
+            self._unmask(replica, k)
         self.recent[replica].clear()
-        self.resets += 1
+        self.stored[replica].clear()
+        self.next_seq[replica] = None
+        if held:
+            self.resets += 1
         return held
 
 
@@ -234,6 +290,7 @@ class ReplicaOptions:
     served_model_name: str | None
     api_key: str | None
     threads: int
+    events_dir: str  # where the replicas' KV event endpoints (ipc:// sockets) live; the caller removes it
 
 
 def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: int):
@@ -253,7 +310,10 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
             from kvcache.server.serve import create
             torch.set_num_threads(options.threads)
             self.index = index
-            self.app, self.loop = create(EngineConfig(**options.config), options.served_model_name, options.api_key)
+            # the router follows this replica's KV events here (a process's own path: a restart gets a new one)
+            self.events = f"ipc://{options.events_dir}/replica-{index}-{os.getpid()}.ipc"
+            config = EngineConfig(**{**options.config, "kv_events_endpoint": self.events})
+            self.app, self.loop = create(config, options.served_model_name, options.api_key)
             self.port = free_port()
             self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                         log_level="warning"))
@@ -265,13 +325,13 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
                 time.sleep(0.02)
 
         def address(self) -> dict:
-            return {"url": f"http://127.0.0.1:{self.port}", "pid": os.getpid()}
+            return {"url": f"http://127.0.0.1:{self.port}", "pid": os.getpid(), "kv_events": self.events}
 
         def load(self) -> dict:
             info = self.loop.engine.kv_cache_info()
             return {"kv_usage": info["usage"], "prefix_cache_hits": info["prefix_cache_hits"],
                     "prefix_cache_queries": info["prefix_cache_queries"], "pid": os.getpid(),
-                    "pool_tokens": info["num_tokens"]}
+                    "pool_tokens": info["num_tokens"], "kv_events": self.events}
 
         def check_health(self) -> None:
             if not self.loop.alive or not self.thread.is_alive():
@@ -284,30 +344,69 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
     class Router:
         def __init__(self, *replicas) -> None:
             self.handles = list(replicas)
-            self.router = PrefixRouter(len(replicas), policy, balance)
+            self.router = PrefixRouter(len(replicas), policy, balance, options.config["block_size"])
             self.urls: list[str | None] = [None] * len(replicas)
             self.pids: list[int | None] = [None] * len(replicas)
+            self.endpoints: list[str | None] = [None] * len(replicas)  # each replica's KV events, followed
+            self.subscriber = EventSubscriber()
+            self.engine_keys = self._engine_keys() if policy == "kv-aware" else None
+            self.tokenizing = ThreadPoolExecutor(1, "kvcache-router-keys")  # one: a tokenizer is not thread-safe
+            self.key_kinds = {"engine": 0, "text": 0}  # requests keyed by the engine's hashes, or by prefix_keys
             self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
             self.retries = 0
             self.poller: asyncio.Task | None = None
 
-        def _seen(self, i: int, pid: int) -> None:
-            """Replica i answered from process `pid`: another process than before has an empty cache."""
+        @staticmethod
+        def _engine_keys() -> EngineKeys | None:
+            try:
+                return EngineKeys(options.config["model"], options.config["block_size"])
+            except Exception as e:  # noqa: BLE001 -- any tokenizer failure: route every request by prefix_keys
+                log.warning("the router cannot load the model's tokenizer (%s); it routes by text prefixes", e)
+                return None
+
+        def _seen(self, i: int, info: dict) -> None:
+            """Replica i answered from process info["pid"]: another process than before has an empty cache. Its KV
+            events are followed at info["kv_events"] (batches from an endpoint no longer followed are dropped)."""
+            pid = info["pid"]
             if self.pids[i] is not None and pid != self.pids[i]:
-                log.info("replica %d restarted (process %d, was %d): forgetting the %d prefix blocks sent to it", i,
+                log.info("replica %d restarted (process %d, was %d): forgetting the %d prefix blocks it held", i,
                          pid, self.pids[i], self.router.forget(i))
                 self.urls[i] = None
             self.pids[i] = pid
+            if info["kv_events"] != self.endpoints[i]:
+                self.endpoints[i] = info["kv_events"]
+                self.subscriber.follow(i, info["kv_events"])
+
+        def _drain(self) -> None:
+            """Apply the KV event batches received since the last call."""
+            while not self.subscriber.batches.empty():
+                i, endpoint, seq, events = self.subscriber.batches.get()
+                if endpoint == self.endpoints[i]:
+                    self.router.apply(i, seq, events)
+
+        async def _keys(self, body: dict, chat: bool) -> list[Key]:
+            """The request's prefix keys: the engine's block hashes if they can be computed, else prefix_keys'."""
+            if self.engine_keys is not None:
+                try:
+                    keys = await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.engine_keys, body,
+                                                                           chat)
+                    self.key_kinds["engine"] += 1
+                    return keys
+                except Exception as e:  # noqa: BLE001 -- a body the server will refuse, or one hashed otherwise
+                    log.debug("routing a request by its text prefix: %s", e)
+            self.key_kinds["text"] += 1
+            return prefix_keys(body)
 
         async def _url(self, i: int, refresh: bool = False) -> str:
             if refresh or self.urls[i] is None:
                 addr = await self.handles[i].address.remote()
-                self._seen(i, addr["pid"])
+                self._seen(i, addr)
                 self.urls[i] = addr["url"]
             return self.urls[i]
 
         async def _poll(self) -> None:
-            """Each replica's KV usage (a tie-breaker of the routing rule) and process, every POLL_S seconds."""
+            """Each replica's KV usage (a tie-breaker of the routing rule), process and KV events endpoint, every
+            POLL_S seconds; and the events received meanwhile, applied."""
             while True:
                 for i, h in enumerate(self.handles):
                     try:
@@ -315,8 +414,9 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
                     except Exception:  # noqa: BLE001 -- a replica restarting: its usage is unknown for now
                         continue
                     self.router.kv_usage[i] = info["kv_usage"]
-                    self._seen(i, info["pid"])
+                    self._seen(i, info)
                     self.router.set_pool(i, info["pool_tokens"])
+                self._drain()
                 await asyncio.sleep(POLL_S)
 
         async def _proxy(self, request: Request, path: str):
@@ -327,7 +427,10 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
                 parsed = json.loads(body) if body else {}
             except ValueError:
                 parsed = {}
-            keys = prefix_keys(parsed) if isinstance(parsed, dict) else []
+            keys = []
+            if isinstance(parsed, dict) and self.router.policy == "kv-aware" and path != "/v1/models":
+                keys = await self._keys(parsed, chat=path == "/v1/chat/completions")
+            self._drain()
             headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
             tried: set[int] = set()
             while True:
@@ -380,15 +483,22 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
 
         @web.get("/replicas")
         async def replicas(self):
-            """Each replica's address, process and in-flight count, and the router's decisions."""
+            """Each replica's address, process and in-flight count (an error for one restarting: its handle waits
+            for the new process), and the router's decisions and records."""
             out = []
             for i in range(len(self.handles)):
                 try:
-                    out.append({**(await self.handles[i].address.remote()), "inflight": self.router.inflight[i]})
+                    addr = await asyncio.wait_for(self.handles[i].address.remote(), timeout=5 * POLL_S)
+                    out.append({**addr, "inflight": self.router.inflight[i]})
+                except asyncio.TimeoutError:
+                    out.append({"error": f"no answer within {5 * POLL_S:g} s (restarting?)",
+                                "inflight": self.router.inflight[i]})
                 except Exception as e:  # noqa: BLE001
                     out.append({"error": str(e), "inflight": self.router.inflight[i]})
-            return {"policy": self.router.policy, "replicas": out, "decisions": self.router.decisions,
-                    "retries": self.retries, "held": self.router.held, "resets": self.router.resets}
+            r = self.router
+            return {"policy": r.policy, "replicas": out, "decisions": r.decisions, "retries": self.retries,
+                    "held": r.held, "stored": [len(s) for s in r.stored], "resets": r.resets, "event_gaps": r.gaps,
+                    "keys": self.key_kinds}
 
         @web.get("/metrics")
         async def metrics(self):
@@ -408,7 +518,13 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
                       "# TYPE kvcache:router_retries_total counter", f"kvcache:router_retries_total {self.retries}",
                       "# HELP kvcache:router_replica_resets_total Times a replica's routing entries were dropped "
                       "(restarted or unreachable).", "# TYPE kvcache:router_replica_resets_total counter",
-                      f"kvcache:router_replica_resets_total {self.router.resets}"]
+                      f"kvcache:router_replica_resets_total {self.router.resets}",
+                      "# HELP kvcache:router_prompt_keys_total Requests keyed by the engine's block hashes, or by "
+                      "their text (the tokenizer could not hash them).", "# TYPE kvcache:router_prompt_keys_total counter"]
+            lines += [f'kvcache:router_prompt_keys_total{{kind="{k}"}} {v}' for k, v in self.key_kinds.items()]
+            lines += ["# HELP kvcache:router_kv_event_gaps_total KV event batches lost (that replica's record rebuilt).",
+                      "# TYPE kvcache:router_kv_event_gaps_total counter",
+                      f"kvcache:router_kv_event_gaps_total {self.router.gaps}"]
             return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     replicas = [EngineReplica.options(name=f"replica-{i}").bind(i) for i in range(num_replicas)]
@@ -421,12 +537,17 @@ def serve_replicas(args, config) -> int:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if config.tensor_parallel_size > 1:
         raise ValueError("--replicas with --tensor-parallel-size is not supported yet: run one or the other")
+    if config.kv_events_endpoint is not None:
+        raise ValueError(f"--kv-events-endpoint {config.kv_events_endpoint} with --replicas {args.replicas}: each "
+                         "replica publishes its KV events on an endpoint of its own, which the router follows "
+                         "(GET /replicas lists them)")
     import ray  # after the refusals: they need no Ray
     from ray import serve
     cores = usable_cores()
     from kvcache.server.serve import model_name
+    events_dir = tempfile.TemporaryDirectory(prefix="kvcache-events-")
     options = ReplicaOptions(dataclasses.asdict(config), model_name(config.model, args.served_model_name),
-                             args.api_key or None, max(1, cores // args.replicas))
+                             args.api_key or None, max(1, cores // args.replicas), events_dir.name)
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
@@ -441,3 +562,4 @@ def serve_replicas(args, config) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
+        events_dir.cleanup()

@@ -10,15 +10,20 @@ import sys
 import time
 
 import httpx
+import msgpack
 import openai
 import pytest
 import redis
 
 from kvcache.bench.replicas import every_replica_up
 from kvcache.bench.serve import wait_until_serving
+from kvcache.distributed.kv_index import EngineKeys, EventSubscriber, decode_batch
 from kvcache.distributed.replicas import PrefixRouter, prefix_keys, relabel, relay
+from kvcache.engine.kv_events import encode_event
+from kvcache.memory.block_hash import chain_hashes
+from kvcache.memory.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
 
-from live_server import free_port, scrape
+from live_server import API_KEY, free_port, scrape, start_server
 
 
 def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
@@ -110,6 +115,133 @@ def test_a_replica_that_lost_its_cache_is_forgotten_and_others_keep_theirs():
     assert r.held == [3, 3, 0]
 
 
+def _engine_keys(ids: list[int]) -> list[int]:
+    """The hashes an engine with blocks of 16 publishes for a prompt of `ids`."""
+    return [external_hash(h) for h in chain_hashes(ids, 16, (), [])]
+
+
+def _stored(keys: list[int], medium: str = "GPU") -> BlockStored:
+    return BlockStored(keys, None, [0] * 16 * len(keys), 16, medium)
+
+
+def _apply(router: PrefixRouter, replica: int, seq: int, *events) -> None:
+    """`events` sent as the engine's publisher sends a batch (engine/kv_events.py), received as the ingress does."""
+    payload = msgpack.packb([time.time(), [encode_event(e) for e in events], 0], use_bin_type=True)
+    router.apply(replica, *decode_batch([b"", seq.to_bytes(8, "big"), payload]))
+
+
+def test_the_router_follows_each_replicas_kv_events_and_stops_preferring_a_replica_that_removed_a_prefix():
+    r = PrefixRouter(2, "kv-aware", balance=2)
+    a = _engine_keys(list(range(48)))  # 3 blocks
+    _apply(r, 0, 5, AllBlocksCleared(), _stored(a))  # the first batch seen may be any: nothing before it is known
+    _apply(r, 1, 0, _stored(a[:1]), _stored(a[1:]))
+    assert r.matched(a) == [3, 3] and r.stored == [set(a), set(a)] and r.held == [3, 3]
+    r.inflight[1] = 1
+    assert r.choose(a) == 0 and r.decisions["prefix"] == 1  # held alike: the less loaded
+    _apply(r, 0, 6, BlockRemoved(a[1:], "GPU"))  # replica 0 evicted the prefix's end
+    assert r.matched(a) == [1, 3]
+    assert r.choose(a) == 1 and r.decisions["prefix"] == 2  # the deepest now, though busier
+    _apply(r, 0, 7, _stored(a[1:], "CPU"))  # in an offload tier, not in the pool: not held
+    assert r.matched(a) == [1, 3]
+    _apply(r, 1, 1, AllBlocksCleared())
+    assert r.matched(a) == [1, 0] and r.held == [1, 0]
+    # a gap (batch 8 was lost, with whatever it stored or removed): replica 0's stored blocks are dropped and rebuilt
+    # from the batch after it
+    b = _engine_keys([7] * 32)
+    _apply(r, 0, 9, _stored(b))
+    assert r.gaps == 1 and r.stored[0] == set(b) and r.matched(a)[0] == 0
+    _apply(r, 0, 10, _stored(a[:1]))
+    assert r.gaps == 1 and r.matched(a)[0] == 1
+    # a restart (another process): everything is forgotten, and its events are followed from the next batch seen
+    assert r.forget(0) == 3 and r.held[0] == 0 and r.resets == 1
+    _apply(r, 0, 0, AllBlocksCleared(), _stored(b))
+    assert r.gaps == 1 and r.matched(b) == [2, 0]
+
+
+def test_a_prefix_sent_counts_as_held_until_its_events_settle_it():
+    """Between routing a request and its replica's BlockStored the router remembers where it sent the prefix; the
+    events then take over: BlockStored moves the keys to the stored record, BlockRemoved drops them."""
+    r = PrefixRouter(2, "kv-aware")
+    a = _engine_keys(list(range(64)))  # 4 blocks
+    first = r.choose(a)
+    r.routed(a, first)
+    assert r.matched(a)[first] == 4 and r.held[first] == 4 and r.stored[first] == set()
+    assert r.choose(a) == first and r.decisions["prefix"] == 1  # not yet stored: still goes there
+    _apply(r, first, 0, _stored(a[:3]))
+    assert r.held[first] == 4 and list(r.recent[first]) == [a[3]] and r.stored[first] == set(a[:3])
+    r.routed(a, first)  # sent again: only the key not confirmed is recorded as sent
+    assert list(r.recent[first]) == [a[3]]
+    _apply(r, first, 1, BlockRemoved([a[3]], "GPU"))  # stored then evicted, its BlockStored unseen: settled anyway
+    assert r.matched(a)[first] == 3 and r.held[first] == 3 and not r.index
+    _apply(r, first, 3, _stored(a))  # a gap: the stored record is rebuilt, the record of keys sent kept
+    r.routed(a, 1 - first)
+    _apply(r, 1 - first, 0, AllBlocksCleared())  # a cleared pool: prefixes sent and not yet stored stay
+    assert r.matched(a) == [4, 4] and r.gaps == 1
+
+
+def test_a_kv_event_message_that_is_not_the_engines_is_refused_with_what_it_is():
+    def frames(payload) -> list[bytes]:
+        return [b"", (0).to_bytes(8, "big"), msgpack.packb(payload)]
+    with pytest.raises(ValueError, match=r"3 frames, the second of 8 bytes; got 2 frames of \[0, 8\] bytes"):
+        decode_batch(frames([0, [], 0])[:2])
+    with pytest.raises(ValueError, match="is not msgpack"):
+        decode_batch([b"", bytes(8), b"\xc1"])
+    with pytest.raises(ValueError, match=r"\[ts, \[event, ...\], rank\]; got list of 2 items"):
+        decode_batch(frames([0, []]))
+    with pytest.raises(ValueError, match="event 1 of 2 is not a KV event"):
+        decode_batch(frames([0, [["AllBlocksCleared"], ["BlockRemoved", ["x"], "GPU"]], 0]))
+    assert decode_batch(frames([0, [["BlockRemoved", [1, 2], "GPU"]], 0])) == (0, [["BlockRemoved", [1, 2], "GPU"]])
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", pytest.param("demo_path", marks=pytest.mark.demo)])
+def test_the_router_hashes_completion_and_chat_prompts_as_the_engine_stores_them(model, request, tmp_path):
+    """A server publishing its KV events, followed by the router's subscriber: the keys the router computes for a
+    text prompt, token ids, chat messages and a salted chat request are exactly the blocks the engine then stored
+    (and the salt keys them apart). The tiny model's word-level tokenizer, and the demo model's BPE one and chat
+    template (which adds a system prompt of its own)."""
+    path = request.getfixturevalue(model)
+    endpoint = f"ipc://{tmp_path}/events.ipc"
+    srv = start_server(path, kv_events_endpoint=endpoint, kv_cache_memory="64MiB")  # every prompt stays cached
+    sub = EventSubscriber()
+    try:
+        sub.follow(0, endpoint)
+        time.sleep(0.5)  # connected before anything is published (a late subscriber misses what came before)
+        keys = EngineKeys(path, srv.loop.engine.config.block_size)
+        words = " ".join(f"w{5 + i}" for i in range(40))  # 40 tokens of the tiny model's, more of the demo's
+        chat = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "system", "content": words},
+                                                              {"role": "user", "content": "w9 w10"}]}
+        bodies = [("/v1/completions", {"model": "tiny", "max_tokens": 1, "prompt": words}),
+                  ("/v1/completions", {"model": "tiny", "max_tokens": 1, "prompt": [[4] * 35, [5] * 20]}),
+                  ("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "cache_salt": "tenant-2"})]
+        expected = [keys(body, path.endswith("chat/completions")) for path, body in bodies]
+        assert all(len(k) >= 2 for k in expected) and expected[2] != expected[3]
+        assert set(expected[0]).isdisjoint(expected[2])
+        router = PrefixRouter(1, "kv-aware")
+        for path, body in bodies:
+            r = httpx.post(f"{srv.url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+            assert r.status_code == 200, r.text
+        end = time.monotonic() + 10
+        while not all(router.matched(k) == [len(k)] for k in expected) and time.monotonic() < end:
+            time.sleep(0.05)
+            while not sub.batches.empty():
+                _, _, seq, events = sub.batches.get()
+                router.apply(0, seq, events)
+        assert [router.matched(k)[0] for k in expected] == [len(k) for k in expected] and router.gaps == 0
+        assert sub.bad == 0
+    finally:
+        sub.close()
+        srv.stop()
+
+
+def test_replicas_refuse_one_kv_events_endpoint_for_all(tiny_llama):
+    from types import SimpleNamespace
+
+    from kvcache.config import EngineConfig
+    from kvcache.distributed.replicas import serve_replicas
+    with pytest.raises(ValueError, match=r"--kv-events-endpoint tcp://\*:5557 with --replicas 2: each replica"):
+        serve_replicas(SimpleNamespace(replicas=2), EngineConfig(model=tiny_llama, kv_events_endpoint="tcp://*:5557"))
+
+
 def test_a_replica_failing_mid_stream_ends_the_stream_with_an_error_event_and_done():
     import asyncio
     import json
@@ -181,7 +313,12 @@ def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         assert 'kvcache:prefix_cache_hits_total{replica="0"' in metrics and 'replica="1"' in metrics
         assert "kvcache:router_prefix_hit_routed_total 5" in metrics  # all but each prefix's first request
-        before = _replicas(url)["replicas"]
+        end = time.monotonic() + 30
+        while not all((state := _replicas(url))["stored"]):  # each replica's events reach the router
+            assert time.monotonic() < end, state
+            time.sleep(0.5)
+        assert state["keys"] == {"engine": 7, "text": 0} and state["event_gaps"] == 0, state  # the engine's hashes
+        before = state["replicas"]
         os.kill(before[0]["pid"], signal.SIGKILL)
         for i in range(4):  # requests to the killed replica are retried on the other one before streaming
             out = client.completions.create(model="tiny", prompt=groups[i % 2] + [200 + i], max_tokens=2)
