@@ -131,6 +131,7 @@ def test_bench_attention_reports_bandwidth_against_the_torch_path(tmp_path, caps
     assert set(rows) == {("float32", "cpu"), ("float32", "torch"), ("int8", "cpu"), ("int8", "torch")}
     assert rows["float32", "cpu"]["gbytes_read"] * 1e9 == 3 * 70 * 8 * 128 * 2 * 4
     assert rows["int8", "cpu"]["gbytes_read"] * 1e9 == 3 * 70 * 8 * (128 + 2) * 2  # codes and fp16 scales
+    assert {x["layers"] for x in r["results"]} == {64}  # 1.7 and 0.4 MB a layer: as many as allowed, not 512 MiB
     for x in r["results"]:
         assert x["achieved_gbs"] == pytest.approx(x["gbytes_read"] / (x["time_ms"] / 1e3))
         assert x["speedup_vs_torch"] == pytest.approx(rows[x["kv_cache_dtype"], "torch"]["time_ms"] / x["time_ms"])
@@ -227,3 +228,24 @@ def test_bench_preemption_modes_are_checked_first(tiny_llama, capsys):
     for flags in (["--preemption-modes", "swap,evict"], ["--preemption-modes", "swap", "--workload", "multi-turn"]):
         rc = main(["bench", "throughput", "--model", tiny_llama, *flags])
         assert rc == 2 and "preemption-modes" in capsys.readouterr().err
+
+
+@pytest.mark.bench
+def test_bench_attention_reads_another_layer_at_each_call(monkeypatch):
+    """Each timed call attends over the next layer of KV, as a decode step does, so that a layer's KV is not still
+    in the CPU's caches from the last call."""
+    import torch
+
+    from kvcache.attention import cpu_kernel
+    from kvcache.bench.attention import _decode_call, _store
+    from kvcache.plan.model_source import load_model_shape
+    shape = load_model_shape("llama-3-8b")
+    store, tables = _store(shape, "float32", torch.float32, 2, 20, 16, torch.device("cpu"), seed=0, layers=3)
+    assert all(torch.equal(store.k[0], store.k[i]) and store.k[0].abs().sum() > 0 for i in (1, 2))
+    seen = []
+    monkeypatch.setattr(cpu_kernel, "paged_decode", lambda out, q, k, v, *a: seen.append(
+        next(i for i in range(3) if k is store.k[i] and v is store.v[i])))
+    call = _decode_call("cpu", store, 3, torch.randn(2, 32, 128), tables, torch.full((2,), 20), 0.1)
+    for _ in range(5):
+        call()
+    assert seen == [0, 1, 2, 0, 1]
