@@ -20,7 +20,6 @@ import torch
 
 from kvcache import LLM, SamplingParams
 from kvcache.config import EngineConfig
-from kvcache.memory.kv_cache_manager import blocks_for
 from kvcache.plan.kv_bytes import kv_bytes_per_token, residual_bytes_per_seq
 
 from engine.test_greedy_parity import _workload

@@ -172,7 +172,7 @@ def test_tier_and_swap_lines_from_a_live_render(tiny_llama, tmp_path, capsys):
     out = capsys.readouterr().out
     cpu, disk = engine.offload.tiers
     sched = engine.scheduler
-    assert f"tier cpu" in out and f"tier disk" in out
+    assert "tier cpu" in out and "tier disk" in out
     assert f"stored {cpu.stats.stored:,}" in out and "(0 B swap)" in out
     assert f"Swap           out {sched.num_swapped_out}   in {sched.num_swapped_in}   fell back to recompute 0" in out
     snap = snapshot(read_samples(metrics.render().decode()))
