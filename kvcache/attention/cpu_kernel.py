@@ -75,19 +75,16 @@ static inline void axpy(float* a, float p, const float* v, int64_t Drt) {
   }
 }
 
-static inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = (const char*)p;
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
-}
-
 // Prefetches of a block issued a few cache lines at a time between the pieces of work on the block before it
 // (step), instead of all at once: a burst of hundreds fills the core's miss buffers and stalls the arithmetic until
-// they drain, so memory and compute took turns (15 GB/s from DRAM, where reading alone runs at 33).
+// they drain, so memory and compute took turns (15 GB/s from DRAM, where reading alone runs at 33). flush() issues
+// what is left at once (a work item's first blocks, which nothing comes before).
 struct Prefetcher {
+  const int64_t pieces;  // steps a block's work takes
   const char* p[2] = {nullptr, nullptr};
   int64_t left[2] = {0, 0};  // bytes still to prefetch in each range
   int64_t per = 0;  // lines a step issues
-  int64_t pieces = 1;  // steps a block's work takes (set by its user)
+  explicit Prefetcher(int64_t pieces) : pieces(pieces) {}
   // The ranges [a, a + na) and [b, b + nb), over `pieces` steps (what an earlier start left is issued first)
   void start(const void* a, int64_t na, const void* b, int64_t nb) {
     flush();
@@ -126,7 +123,6 @@ struct F32Src {
   const float *kb = nullptr, *vb = nullptr;
   void seq(int64_t) {}
   void block(int64_t id, int64_t) { kb = k + id * blk; vb = v + id * blk; }
-  void prefetch(int64_t id) const { prefetch_bytes(k + id * blk, blk * 4); prefetch_bytes(v + id * blk, blk * 4); }
   void prefetch(Prefetcher& pf, int64_t id) const { pf.start(k + id * blk, blk * 4, v + id * blk, blk * 4); }
   // KV head kh's keys (values) of the current block: token t's at p + t * stride
   const float* keys(int64_t kh, int64_t, int64_t, int64_t& stride) { stride = tok; return kb + kh * D; }
@@ -185,7 +181,6 @@ struct QuantSrc {
     fr = frows ? frows + b * FR : nullptr;
   }
   void block(int64_t id, int64_t first) { row = raw + id * ROW; base = first; }
-  void prefetch(int64_t id) const { prefetch_bytes(raw + id * ROW, ROW); }
   void prefetch(Prefetcher& pf, int64_t id) const { pf.start(raw + id * ROW, ROW, nullptr, 0); }
   float code(const uint8_t* c, int64_t d) const {
     if constexpr (CODE == 0) return lut[c[d]];
@@ -403,9 +398,13 @@ static void attend_blocks(const Decode& c, Src& src, int64_t b, int64_t R, int64
   std::fill(l, l + R * H, 0.f);
   std::fill(acc, acc + R * H * D, 0.f);
   src.seq(b);
-  for (int64_t bi = bi0; bi < std::min(bi0 + PF_AHEAD, bi1); ++bi) src.prefetch(table[bi]);
-  Prefetcher pf;
-  pf.pieces = R * H;  // a block's work is 2 R H calls (scores and weighted_sum per row and head): done by half of them
+  // a block's work is 2 R H calls (scores and weighted_sum per row and head): its successor's lines are issued over
+  // the first half of them
+  Prefetcher pf(R * H);
+  for (int64_t bi = bi0; bi < std::min(bi0 + PF_AHEAD, bi1); ++bi) {
+    src.prefetch(pf, table[bi]);
+    pf.flush();
+  }
   for (int64_t bi = bi0; bi < bi1; ++bi) {
     if (bi + PF_AHEAD < bi1) src.prefetch(pf, table[bi + PF_AHEAD]);
     src.block(table[bi], bi * BS);
