@@ -82,9 +82,9 @@ def _decode_call(backend: str, store, layers: int, q: torch.Tensor, tables: torc
                  scale: float):
     """One decode-attention call of `backend` over the whole batch, as the engine makes it per layer: each call on
     the next of the store's `layers` layers."""
-    layers = itertools.cycle(range(layers))
+    turn = itertools.cycle(range(layers))
     call = _layer_call(backend, store, q, tables, lens, scale)
-    return lambda: call(next(layers))
+    return lambda: call(next(turn))
 
 
 def _layer_call(backend: str, store, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float):

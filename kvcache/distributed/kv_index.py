@@ -56,8 +56,8 @@ class EngineKeys:
 
     def __init__(self, model: str | None, block_size: int) -> None:
         from kvcache.models.loader import read_checkpoint  # these import torch: only where keys are computed
-        from kvcache.server.app import _chat_prompt
-        self.tokenizer, self.chat_prompt = read_checkpoint(model).tokenizer, _chat_prompt
+        from kvcache.server.app import chat_prompt
+        self.tokenizer, self.chat_prompt = read_checkpoint(model).tokenizer, chat_prompt
         self.block_size = block_size
 
     def __call__(self, body: dict, chat: bool) -> list[int]:

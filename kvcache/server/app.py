@@ -125,7 +125,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = await encode(_chat_prompt(tokenizer, req.messages, True), False)
+            ids = await encode(chat_prompt(tokenizer, req.messages, True), False)
         else:
             ids = await encode(req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
@@ -162,7 +162,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
                 raise APIError(400, f"{name} is not supported by this server", param=name)
         params = _params(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
         admit(1)
-        prompt = await encode(_chat_prompt(tokenizer, req.messages, req.add_generation_prompt), False)
+        prompt = await encode(chat_prompt(tokenizer, req.messages, req.add_generation_prompt), False)
         return await _generate(request, req, "chatcmpl", "chat.completion", [prompt], params)
 
     async def _generate(request: Request, req, prefix: str, kind: str, prompts: list[list[int]], params):
@@ -273,7 +273,10 @@ def _param_of(message: str) -> str | None:
     return word if word in _FIELDS else None
 
 
-def _chat_prompt(tokenizer, messages, add_generation_prompt: bool) -> str:
+def chat_prompt(tokenizer, messages, add_generation_prompt: bool) -> str:
+    """The text a chat request's messages become through the model's chat template (tokenized without special
+    tokens: the template writes them); APIError 400 where there is no template or it rejects the messages. The
+    replicas' router keys requests by it too (distributed/kv_index.py)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
     convo = [{"role": m.role, "content": m.text()} for m in messages]
