@@ -484,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
              "kvcache.bench.throughput", engine_args=True)
     _command(bsub, "attention", "decode attention alone: time per call, GB/s and the fraction of the device's "
              "measured bandwidth, each backend against the portable torch path", "kvcache.bench.attention")
+    _command(bsub, "linear", "a model's float32 linear layers alone on the CPU, weights from memory: each layout "
+             "(the C++ kernels' panels, oneDNN's, dense) against oneDNN's", "kvcache.bench.linear")
     _command(bsub, "kv-cache-on-off", "generate N tokens with the KV cache and with none: time per step, total time "
              "and their growth exponents", "kvcache.bench.kv_cache_on_off")
     _command(bsub, "serve", "load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput", "kvcache.bench.serve")

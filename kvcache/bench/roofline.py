@@ -33,7 +33,8 @@ def measure_gemm_gflops(m: int | None = None, k: int | None = None, n: int | Non
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> float:
     """Best matmul rate (GFLOP/s) in `dtype` on `device` over `seconds` of repeated [m,k] x [k,n] products (default
     512 x 1536 x 1536 on a CPU, 8192 cubed on a GPU, where smaller products are bound by their launch); where the
-    engine can pack float32 weights for oneDNN (llama.packable), the better of torch.matmul and that linear."""
+    engine packs float32 weights (llama.Dense.pack), the best of torch.matmul, the engine's own linear layer (the C++
+    kernels' panels) and oneDNN's linear on its packed layout."""
     device = torch.device(device)
     default = 8192 if device.type == "cuda" else None
     m, k, n = m or default or 512, k or default or 1536, n or default or 1536
@@ -41,12 +42,15 @@ def measure_gemm_gflops(m: int | None = None, k: int | None = None, n: int | Non
     b = torch.randn(k, n, dtype=dtype, device=device)
     out = torch.empty(m, n, dtype=dtype, device=device)
     best = _best_rate(lambda: torch.matmul(a, b, out=out), 2 * m * k * n, seconds, device)
-    from kvcache.models.llama import pack_weight, packable, packed_linear
-    if packable(dtype, device):
-        # the engine's own float32 CPU GEMM (Dense.pack): oneDNN on a packed weight, faster than matmul here, so
-        # the bound is the better of the two
-        packed = pack_weight(b.t().contiguous())
-        best = max(best, _best_rate(lambda: packed_linear(a, packed), 2 * m * k * n, seconds, device))
+    from kvcache.models.llama import Dense, pack_weight, packed_linear
+    dense = Dense(k, n, bias=False).to(dtype=dtype, device=device)
+    with torch.no_grad():
+        dense.weight.copy_(b)
+    if dense.pack():  # faster than matmul here, so the bound is the best of them
+        best = max(best, _best_rate(lambda: dense(a), 2 * m * k * n, seconds, device))
+        if not dense.packed.is_mkldnn and torch.backends.mkldnn.is_available():
+            packed = pack_weight(b.t().contiguous())
+            best = max(best, _best_rate(lambda: packed_linear(a, packed), 2 * m * k * n, seconds, device))
     return best / 1e9
 
 

@@ -101,8 +101,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether weights of `dtype` on `device` can be packed for oneDNN (Dense.pack): float32 on a CPU with oneDNN."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """Whether weights of `dtype` on `device` can be packed (Dense.pack): float32 on a CPU, with the project's C++
+    kernels or oneDNN."""
+    return device.type == "cpu" and dtype == torch.float32 and (
+        cpu_kernels.load() is not None or torch.backends.mkldnn.is_available())
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
@@ -115,41 +117,60 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b through the C++ kernel (cpu_kernels' panel_linear) on W [n_out, in] packed by its pack_panels."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(rows.shape[0], n_out, dtype=x.dtype)
+    cpu_kernels.load().panel_linear(out, rows, panels)
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*x.shape[:-1], n_out)
+
+
 class Dense(nn.Module):
     """y = x W + b with W stored [in, out]: on CPU (MKL) this layout runs the skinny GEMMs of
     decode steps faster than nn.Linear's [out, in] (measured: LM head 69 -> 94 GFLOP/s at 64 rows).
 
-    In float32 on the CPU, `pack()` (once the weights are loaded) hands W to oneDNN in its own blocked layout and
-    drops the dense copy, unless it is also looked up (a tied embedding): oneDNN's linear on a packed weight runs
-    1.3-2.2x MKL's GEMM on the demo's layers at every row count here (2 threads: 40 against 25 GFLOP/s at one row,
-    200 against 125-160 from 32 to 512). `KVCACHE_PACKED_WEIGHTS=0` keeps MKL."""
+    In float32 on the CPU, `pack()` (once the weights are loaded) repacks W and drops the dense copy, unless it is
+    also looked up (a tied embedding). Where the C++ kernels build, W goes into panels of 32 output channels for
+    their panel_linear (cpu_kernels.py): with the weights streamed from memory, as in a decode step, it runs 1.1-1.7x
+    oneDNN's linear on its own packed weights at 8-64 rows on the demo's layers (2 threads), and the same from 512
+    rows on; each row's result is then independent of the batch. Without them, oneDNN's blocked layout (1.3-2.2x
+    MKL's GEMM). `KVCACHE_PACKED_WEIGHTS=onednn` picks oneDNN's, `0` keeps MKL on the dense W."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = n_in, n_out
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN's layout of W^T (pack)
+        self.packed: torch.Tensor | None = None  # W^T in panels (pack_panels) or in oneDNN's layout (pack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
+            if self.packed.is_mkldnn:
+                return packed_linear(x, self.packed, self.bias)
+            return panel_linear(x, self.packed, self.out_features, self.bias)
         return torch.matmul(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
     def pack(self, keep_dense: bool = False) -> bool:
-        """Repack W for oneDNN (float32 CPU weights only; where oneDNN is missing or KVCACHE_PACKED_WEIGHTS=0, keep
-        it as it is); the dense W is dropped unless `keep_dense`. Whether it packed."""
-        w = self.weight
-        if (self.packed is not None or w is None or not packable(w.dtype, w.device)
-                or os.environ.get("KVCACHE_PACKED_WEIGHTS", "1") == "0"):
+        """Repack W (float32 CPU weights only; where neither the C++ kernels nor oneDNN are there, or
+        KVCACHE_PACKED_WEIGHTS=0, keep it as it is); the dense W is dropped unless `keep_dense`. Whether it packed."""
+        w, how = self.weight, os.environ.get("KVCACHE_PACKED_WEIGHTS", "1")
+        if how not in ("0", "1", "onednn"):
+            raise ValueError(f"KVCACHE_PACKED_WEIGHTS={how!r}: use 1 (panels for the C++ kernels, else oneDNN), "
+                             "onednn or 0 (dense)")
+        if self.packed is not None or w is None or not packable(w.dtype, w.device) or how == "0":
             return False
-        # oneDNN copies a transposed view to a contiguous one first: made here, so that W can go before the reorder
-        # and loading peaks at the weights plus one matrix (tests/models/test_loading.py)
+        kernels = cpu_kernels.load() if how == "1" else None
+        if kernels is None and not torch.backends.mkldnn.is_available():
+            return False
+        # a contiguous [out, in] copy is made here (oneDNN would copy the transposed view itself), so that W can go
+        # before the repacking and loading peaks at the weights plus one matrix (tests/models/test_loading.py)
         w_t = w.detach().t().contiguous()
         del w
         if not keep_dense:
             self.weight = None
-        self.packed = pack_weight(w_t)
+        self.packed = kernels.pack_panels(w_t) if kernels is not None else pack_weight(w_t)
         return True
 
     @property

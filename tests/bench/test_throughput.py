@@ -249,3 +249,28 @@ def test_bench_attention_reads_another_layer_at_each_call(monkeypatch):
     for _ in range(5):
         call()
     assert seen == [0, 1, 2, 0, 1]
+
+
+@pytest.mark.bench
+def test_bench_linear_times_each_layout_against_onednn(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "linear.json"
+    rc = main(["bench", "linear", "--model", tiny_llama, "--rows", "1,13", "--seconds", "0.01", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    from kvcache.plan.model_source import load_model_shape
+    shape = load_model_shape(tiny_llama)
+    h, hd, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    layers = {x["layer"]: (x["in"], x["out"]) for x in r["results"]}
+    assert layers == {"qkv": (h, (shape.num_attention_heads + 2 * shape.num_kv_heads) * hd),
+                      "o_proj": (shape.num_attention_heads * hd, h), "gate_up": (h, 2 * i), "down": (i, h),
+                      "lm_head": (h, shape.vocab_size)}
+    assert len(r["results"]) == 5 * 2 * 3  # layers x rows x layouts
+    for x in r["results"]:
+        assert x["copies"] == 64  # tiny weights: as many copies as allowed, not 256 MiB of them
+        assert x["gflops"] == pytest.approx(2 * x["rows"] * x["in"] * x["out"] / (x["ms"] / 1e3) / 1e9)
+        base = next(b for b in r["results"] if b["layout"] == "onednn" and b["layer"] == x["layer"]
+                    and b["rows"] == x["rows"])
+        assert x["vs_onednn"] == pytest.approx(base["ms"] / x["ms"])
+    assert "panels/onednn" in capsys.readouterr().out
+    assert main(["bench", "linear", "--model", tiny_llama, "--rows", "0"]) == 2  # refused before anything runs
+    assert main(["bench", "linear", "--model", tiny_llama, "--layouts", "mkl"]) == 2

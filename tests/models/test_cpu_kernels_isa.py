@@ -1,7 +1,8 @@
 """The C++ CPU kernels (cpu_kernels.py) on whatever instruction set this CPU has (AVX-512, AVX2 + FMA, or neither):
 the module builds, and the kernels with one implementation per instruction set compute what the reference computes
-at the sizes that exercise their vector steps and tails: argmax_finite (the sampler's greedy ids and finiteness) and
-int8_linear (batch invariant: a row gets what it gets alone, whichever tile it lands in)."""
+at the sizes that exercise their vector steps and tails: argmax_finite (the sampler's greedy ids and finiteness),
+int8_linear and panel_linear (batch invariant: a row gets what it gets alone, whichever tile it lands in), and the
+builds for AVX2 + FMA and for no vector extension give panel_linear's very floats."""
 from __future__ import annotations
 
 import pytest
@@ -99,3 +100,62 @@ def test_int4_linear_is_the_vnni_kernels_float_result_and_batch_invariant(kernel
             part = torch.empty(rows, n)
             kernels.int4_linear(part, x[start:start + rows].contiguous(), layer.qweight, layer.scale, layer.minimum)
             assert torch.equal(part, whole[start:start + rows]), (rows, start)
+
+
+@pytest.mark.parametrize("k", [1, 5, 63, 64, 65, 576])  # chunks of 64 inputs and their tails
+@pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 70])  # whole, half and partial panels
+def test_panel_linear_is_its_reference_and_batch_invariant(kernels, k, n):
+    g = torch.Generator().manual_seed(k * 100 + n)
+    w = torch.randn(n, k, generator=g)
+    panels = kernels.pack_panels(w)
+    assert panels.shape == (-(-n // 32), k, 32)
+    x = torch.randn(29, k, generator=g)
+    whole = torch.empty(29, n)
+    kernels.panel_linear(whole, x, panels)
+    ref = x.double() @ w.double().t()
+    torch.testing.assert_close(whole.double(), ref, atol=1e-6 * (k ** 0.5) * ref.abs().max().item(), rtol=0)
+    for rows in (1, 2, 5, 6, 7, 8, 9, 13, 25):  # every tile shape (8 rows with AVX-512, 6 with AVX2), and more
+        for start in (0, 29 - rows):
+            part = torch.empty(rows, n)
+            kernels.panel_linear(part, x[start:start + rows].contiguous(), panels)
+            assert torch.equal(part, whole[start:start + rows]), (rows, start)
+
+
+def test_panel_linear_refuses_mismatched_shapes(kernels):
+    panels = kernels.pack_panels(torch.randn(40, 8))  # 2 panels: 33..64 outputs
+    x = torch.randn(3, 8)
+    for out, xs in ((torch.empty(3, 32), x), (torch.empty(3, 65), x), (torch.empty(4, 40), x),
+                    (torch.empty(3, 40), torch.randn(3, 9)), (torch.empty(3, 40), torch.randn(8, 3).t())):
+        with pytest.raises(RuntimeError, match="panel_linear: out"):
+            kernels.panel_linear(out, xs, panels)
+
+
+# one build per instruction set, with int4's functions too (test_quant_linear compares those): one compile each
+ISA_FUNCTIONS = ["int4_linear", "q8_linear", "has_int4", "pack_panels", "panel_linear"]
+ISA_FLAGS = {"avx2": ["-mno-avx512f"], "plain": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+
+
+def isa_build(isa: str):
+    """cpu_kernels built for `isa` ("avx2": AVX2 + FMA; "plain": no vector extension) on this CPU, or a skip."""
+    from kvcache import native
+    if isa == "avx2" and "avx512f" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU's own build is the AVX2 one")
+    mod = native.build(f"kvcache_cpu_model_{isa}", cpu_kernels._SOURCE, ISA_FUNCTIONS, ISA_FLAGS[isa], "skipping")
+    assert mod is not None
+    return mod
+
+
+@pytest.mark.parametrize("isa", ["avx2", "plain"])
+def test_panel_linear_gives_the_same_floats_on_every_instruction_set(kernels, isa):
+    other = isa_build(isa)
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((70, 130), (32, 64), (5, 3)):
+        w = torch.randn(n, k, generator=g)
+        panels = kernels.pack_panels(w)
+        assert torch.equal(other.pack_panels(w), panels)
+        for m in (1, 6, 7, 13, 29):
+            x = torch.randn(m, k, generator=g)
+            a, b = torch.empty(m, n), torch.empty(m, n)
+            kernels.panel_linear(a, x, panels)
+            other.panel_linear(b, x, panels)
+            assert torch.equal(a, b), (isa, n, k, m)

@@ -318,11 +318,9 @@ def test_avx2_kernels_are_the_vnni_kernels_bit_for_bit():
     give the very floats the VNNI ones give, 4-bit and 8-bit codes, every tile size."""
     if not has_int4() or "avx512_vnni" not in open("/proc/cpuinfo").read():
         pytest.skip("needs an AVX512-VNNI CPU to compare with")
-    from kvcache import native
-    from kvcache.models import cpu_kernels
-    avx2 = native.build("kvcache_cpu_model_avx2", cpu_kernels._SOURCE, ["int4_linear", "q8_linear", "has_int4"],
-                        ["-mno-avx512f"], "skipping the comparison")
-    assert avx2 is not None and avx2.has_int4()
+    from test_cpu_kernels_isa import isa_build
+    avx2 = isa_build("avx2")
+    assert avx2.has_int4()
     vnni = load()
     g = torch.Generator().manual_seed(4)
     for cls in (Int4Dense, Q8Dense):
