@@ -101,6 +101,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
             triton_attention().paged_prefill(out, q_rows, store, layer, p.block_ids, p.start, p.length, p.context_len,
                                              scale, window, softcap)
             continue
+        if _prefill_kernel(out, q, k, v, store, layer, p, batch, scale, window, softcap, ws):
+            continue
         qs = q[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if p.block_ids is None:
             ks = k[p.start:p.start + p.length]
@@ -117,6 +119,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
         o = _attend(qs, ks, vs, mask, scale, softcap)
         out[p.start:p.start + p.length] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _prefill_kernel(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, layer: int, p,
+                    batch: ForwardBatch, scale: float, window: int | None, softcap: float | None, ws: Workspace) -> bool:
+    """Attend prefill chunk `p` with the C++ causal kernel (cpu_kernel.prefill_attention, 1.4-2.8x SDPA's CPU
+    kernel on the demo's heads) where it applies, and say whether it did: the cpu backend in float32 with head sizes
+    a multiple of 32, no soft-cap, and a plain causal mask (a fresh prompt with no window inside it, or a chunk over
+    an exact store's cached prefix with none inside its context)."""
+    D = q.shape[2]
+    if (batch.backend != "cpu" or q.device.type != "cpu" or q.dtype != torch.float32 or softcap is not None
+            or D % 32 or cpu_kernel.load() is None):
+        return False
+    if p.block_ids is None:
+        if p.masks[window] is not None:
+            return False
+        ks, vs = k[p.start:p.start + p.length], v[p.start:p.start + p.length]
+    else:
+        if not store.exact or p.full_src is not None or (window is not None and window < p.context_len):
+            return False
+        ks, vs = gather_blocks(store, layer, p.block_ids, ws, k)
+        ks, vs = ks.flatten(0, 1)[:p.context_len], vs.flatten(0, 1)[:p.context_len]
+        if ks.dtype != torch.float32:
+            return False
+    cpu_kernel.prefill_attention(out[p.start:p.start + p.length], q[p.start:p.start + p.length], ks, vs, scale)
+    return True
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

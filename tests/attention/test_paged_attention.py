@@ -288,3 +288,48 @@ def test_cpu_kernel_refuses_runs_that_are_not_one_sequence():
         with pytest.raises(RuntimeError, match=msg):
             cpu_kernel.paged_decode(out, q, k, v, tables, torch.tensor(lens), 0.125, None, runs=torch.tensor(runs))
         assert not out.any()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 70), cached=st.sampled_from([0, 0, 1, 31, 32, 33, 90]), heads=head_configs,
+       head_dim=st.sampled_from([32, 64, 128]), seed=st.integers(0, 2**16))
+def test_cpu_prefill_kernel_matches_reference(n, cached, heads, head_dim, seed):
+    """The C++ causal prefill kernel: the last n of n + cached positions, on views of one q/k/v product (the rows'
+    stride is the product's), across its 16-query and 32-key blocks and their edges."""
+    H, KVH = heads
+    L = n + cached
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(L, H + 2 * KVH, head_dim, generator=g)
+    q, k, v = qkv[cached:, :H], qkv[:, H:H + KVH], qkv[:, H + KVH:]
+    out = torch.empty(n, H, head_dim)
+    cpu_kernel.prefill_attention(out, q, k, v, head_dim ** -0.5)
+    torch.testing.assert_close(out.double(), reference(q, k, v, cached, head_dim ** -0.5, None), atol=2e-6, rtol=0)
+
+
+def test_cpu_prefill_kernel_refuses_what_it_cannot_read():
+    q, k = torch.randn(4, 2, 48), torch.randn(4, 1, 48)  # head size not a multiple of 32
+    with pytest.raises(RuntimeError, match="prefill_attention: q"):
+        cpu_kernel.prefill_attention(torch.empty(4, 2, 48), q, k, k, 0.1)
+    q, k = torch.randn(5, 2, 32), torch.randn(4, 1, 32)  # more queries than keys
+    with pytest.raises(RuntimeError, match="prefill_attention: q"):
+        cpu_kernel.prefill_attention(torch.empty(5, 2, 32), q, k, k, 0.1)
+
+
+@pytest.mark.parametrize("window, softcap, backend, used", [
+    (None, None, "cpu", True), (100, None, "cpu", True),  # a window wider than the context masks nothing
+    (5, None, "cpu", False), (None, 3.0, "cpu", False), (None, None, "torch", False)])
+def test_prefill_takes_the_kernel_only_where_its_mask_is_plain_causal(monkeypatch, window, softcap, backend, used):
+    calls = []
+    real = cpu_kernel.prefill_attention
+    monkeypatch.setattr(cpu_kernel, "prefill_attention", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    store = KVStore(1, 9, 4, 1, 32)
+    chunks = [SeqChunk([5] * 7, 0, [1, 2]), SeqChunk([5] * 6, 0, [3, 4])]
+    batch = build_batch(chunks, 4, (window,))
+    batch.backend = backend
+    q, k, v = (torch.randn(13, h, 32, generator=g) for h in (2, 1, 1))
+    store.write(0, batch.slot_mapping, k, v)
+    out = paged_attention(q, k, v, store, 0, batch, 32 ** -0.5, window, Workspace(), softcap=softcap)
+    assert calls == ([7, 6] if used else [])
+    want = torch.cat([reference(q[a:b], k[a:b], v[a:b], 0, 32 ** -0.5, window, softcap) for a, b in ((0, 7), (7, 13))])
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=0)
