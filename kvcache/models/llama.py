@@ -133,9 +133,9 @@ class Dense(nn.Module):
 
     In float32 on the CPU, `pack()` (once the weights are loaded) repacks W and drops the dense copy, unless it is
     also looked up (a tied embedding). Where the C++ kernels build, W goes into panels of 32 output channels for
-    their panel_linear (cpu_kernels.py): with the weights streamed from memory, as in a decode step, it runs 1.1-1.7x
-    oneDNN's linear on its own packed weights at 8-64 rows on the demo's layers (2 threads), and the same from 512
-    rows on; each row's result is then independent of the batch. Without them, oneDNN's blocked layout (1.3-2.2x
+    their panel_linear (cpu_kernels.py): with the weights streamed from memory, as in a decode step, it runs
+    1.3-1.7x oneDNN's linear on its own packed weights at 1-8 rows on the demo's layers (2 threads), 1.04-1.25x at
+    32-64 and the same from 256 (`kvcache bench linear`); each row's result is then independent of the batch. Without them, oneDNN's blocked layout (1.3-2.2x
     MKL's GEMM). `KVCACHE_PACKED_WEIGHTS=onednn` picks oneDNN's, `0` keeps MKL on the dense W."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool) -> None:
