@@ -24,6 +24,7 @@ from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
 from kvcache.distributed.tensor_parallel import (MirroredStore, RankDiedError, TensorParallel, build_shard,
                                                  check_tensor_parallel, head_share, serve_as_launched_worker)
+from kvcache import native
 from kvcache.engine import scoring
 from kvcache.engine.cuda_graphs import DecodeGraphPlan
 from kvcache.engine.draft import DraftProposer, read_draft
@@ -116,6 +117,8 @@ class LLMEngine:
         self._log_layout(config)
         self._prepare_steps(config, loaded.config)
         self._log_start(config, why)
+        if self.device.type == "cpu":  # a step's activations reuse freed heap instead of fresh pages
+            native.keep_freed_host_memory()
 
     def _check(self, config: EngineConfig, loaded: LoadedModel | None):
         """Device, dtype, lengths, shapes and every setting checked against the checkpoint, before anything is
