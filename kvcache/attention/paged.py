@@ -123,7 +123,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
 
 def _prefill_kernel(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, layer: int, p,
                     batch: ForwardBatch, scale: float, window: int | None, softcap: float | None, ws: Workspace) -> bool:
-    """Attend prefill chunk `p` with the C++ causal kernel (cpu_kernel.prefill_attention, 1.4-2.8x SDPA's CPU
+    """Attend prefill chunk `p` with the C++ causal kernel (cpu_kernel.prefill_attention, 1.5-2x SDPA's CPU
     kernel on the demo's heads) where it applies, and say whether it did: the cpu backend in float32 with head sizes
     a multiple of 32, no soft-cap, and a plain causal mask (a fresh prompt with no window inside it, or a chunk over
     an exact store's cached prefix with none inside its context)."""

@@ -42,7 +42,9 @@ def measure_gemm_gflops(m: int | None = None, k: int | None = None, n: int | Non
     b = torch.randn(k, n, dtype=dtype, device=device)
     out = torch.empty(m, n, dtype=dtype, device=device)
     best = _best_rate(lambda: torch.matmul(a, b, out=out), 2 * m * k * n, seconds, device)
-    from kvcache.models.llama import Dense, pack_weight, packed_linear
+    from kvcache.models.llama import Dense, pack_weight, packable, packed_linear
+    if not packable(dtype, device):
+        return best / 1e9
     dense = Dense(k, n, bias=False).to(dtype=dtype, device=device)
     with torch.no_grad():
         dense.weight.copy_(b)

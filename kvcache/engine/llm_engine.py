@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache import native
 from kvcache.attention.backend import resolve_backend, with_backend_write
 from kvcache.attention.metadata import SeqChunk
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
 from kvcache.distributed.tensor_parallel import (MirroredStore, RankDiedError, TensorParallel, build_shard,
                                                  check_tensor_parallel, head_share, serve_as_launched_worker)
-from kvcache import native
 from kvcache.engine import scoring
 from kvcache.engine.cuda_graphs import DecodeGraphPlan
 from kvcache.engine.draft import DraftProposer, read_draft
