@@ -107,6 +107,24 @@ static inline void normalise(float* o, const float* acc, const float* l, int64_t
   }
 }
 
+// The online softmax over one block of n scores s (n >= 0): s[j] becomes exp(s[j] - m') with m' the new running
+// maximum, and the running sum l and the unnormalised output acc [D] are rescaled to m' before s's sum joins l.
+static inline void online_softmax(float* s, int64_t n, float& m, float& l, float* acc, int64_t D) {
+  float mx = m;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  float sum = 0.f;
+#pragma omp simd reduction(+:sum)
+  for (int64_t j = 0; j < n; ++j) { s[j] = expf(s[j] - mx); sum += s[j]; }
+  if (mx != m) {
+    const float corr = expf(m - mx);
+    l *= corr;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+    m = mx;
+  }
+  l += sum;
+}
+
 // Blocks read ahead: the first ones at a work item's start at once (a split's first blocks had been demand misses),
 // then each one paced through the work on the block before it (Prefetcher). 64 rows x 330 tokens x 30 layers of
 // float32 KV from DRAM, 2 threads: 57.5 ms with 2 blocks ahead at once, 56.3 paced, 45.7 with 1 ahead paced
@@ -433,20 +451,7 @@ static void attend_blocks(const Decode& c, Src& src, int64_t b, int64_t R, int64
           const float inv_cap = 1.f / c.cap;
           for (int64_t j = 0; j < n; ++j) sh[j] = c.cap * tanhf(sh[j] * inv_cap);
         }
-        float mx = m[i];
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sh[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+:sum)
-        for (int64_t j = 0; j < n; ++j) { sh[j] = expf(sh[j] - mx); sum += sh[j]; }
-        if (mx != m[i]) {
-          const float corr = expf(m[i] - mx);
-          l[i] *= corr;
-          float* a = acc + i * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] *= corr;
-          m[i] = mx;
-        }
-        l[i] += sum;
+        online_softmax(sh, n, m[i], l[i], acc + i * D, D);
       }
     }
     for (int64_t kh = 0; kh < KVH; ++kh) {
@@ -665,25 +670,10 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
           mm<false>(rows, PKB, qb.data(), D, kt.data() + (kh * NKB + jb) * D * PKB, PKB, D, s.data(), PKB);
           for (int64_t r = 0; r < rows; ++r) {
             float* sr = s.data() + r * PKB;
-            const int64_t valid = std::min(nk, off + i0 + r / G - j0 + 1);  // keys j0 .. j0 + valid - 1
-            float mx = m[r];
-            for (int64_t c = 0; c < valid; ++c) mx = std::max(mx, sr[c]);
-            float sum = 0.f;
-#pragma omp simd reduction(+:sum)
-            for (int64_t c = 0; c < PKB; ++c) {
-              const float e = c < valid ? expf(sr[c] - mx) : 0.f;
-              sr[c] = e;
-              sum += e;
-            }
-            if (mx != m[r]) {
-              const float corr = expf(m[r] - mx);
-              l[r] *= corr;
-              float* orow = o.data() + r * D;
-#pragma omp simd
-              for (int64_t d = 0; d < D; ++d) orow[d] *= corr;
-              m[r] = mx;
-            }
-            l[r] += sum;
+            // keys j0 .. j0 + valid - 1 are this row's; the block's others weigh nothing in the product with v
+            const int64_t valid = std::max<int64_t>(0, std::min(nk, off + i0 + r / G - j0 + 1));
+            online_softmax(sr, valid, m[r], l[r], o.data() + r * D, D);
+            std::fill(sr + valid, sr + PKB, 0.f);
           }
           mm<true>(rows, D, s.data(), PKB, vp + j0 * vs + kh * D, vs, nk, o.data(), D);
         }
