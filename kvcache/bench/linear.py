@@ -46,7 +46,7 @@ def _layout(name: str, w):
         kernels = cpu_kernels.load()
         if kernels is None:
             raise ValueError("the C++ kernels did not build here (see the warning above)")
-        return kernels.pack_panels, lambda x, p: panel_linear(x, p, w.shape[0])
+        return (lambda t: cpu_kernels.pack_panels(t, kernels)), lambda x, p: panel_linear(x, p, w.shape[0])
     if name == "onednn":
         if not torch.backends.mkldnn.is_available():
             raise ValueError("this torch has no oneDNN")

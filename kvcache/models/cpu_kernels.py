@@ -2,8 +2,9 @@
 ~/.cache/torch_extensions), as the attention kernel is; where that fails the model keeps PyTorch's ops.
 
 - `pack_panels`, `panel_linear`: the float32 linear layers' product, on weights packed in panels of 32 output
-  channels (llama.py's Dense.pack); it streams the weights from memory faster than oneDNN's linear at decode's row
-  counts, and each row's result does not depend on the rows beside it.
+  channels (llama.py's Dense.pack; on 2 MiB pages where the OS gives them, native.huge_page_zeros); it streams the
+  weights from memory faster than oneDNN's linear at decode's row counts, and each row's result does not depend on
+  the rows beside it.
 - `int8_linear`: weight-only int8 matrix product (quant_linear.py).
 - `int4_linear`: 4-bit weights (groups of 32 with a scale and a minimum, GGUF's Q4_1) times activations quantized to
   int8 per group of 32 on the fly (GGUF's Q8_1), multiplied with AVX512-VNNI's u8 x s8 dot product, as llama.cpp does
@@ -539,19 +540,22 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // (`kvcache bench linear`).
 constexpr int64_t PANEL = 32, PANEL_CHUNK = 128, PANEL_X_BYTES = 512 << 10;
 
-torch::Tensor pack_panels(torch::Tensor w) {
+// out [ceil(N / 32), K, 32] = w [N, K] in panels, the last one's missing outputs zero; w may be strided (a
+// transposed view of a [K, N] weight is read as it is, with no copy)
+void pack_panels(torch::Tensor w, torch::Tensor out) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_panels: w must be a float32 [N, K] matrix");
-  const int64_t N = w.size(0), K = w.size(1), P = (N + PANEL - 1) / PANEL;
-  const torch::Tensor src = w.contiguous();
-  auto out = torch::zeros({P, K, PANEL}, w.options());
-  const float* s = src.data_ptr<float>();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + PANEL - 1) / PANEL, sn = w.stride(0), sk = w.stride(1);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 3 && out.size(0) == P &&
+              out.size(1) == K && out.size(2) == PANEL, "pack_panels: out must be a contiguous float32 [", P, ", ",
+              K, ", ", PANEL, "] tensor");
+  const float* s = w.data_ptr<float>();
   float* d = out.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      for (int64_t j = 0; j < std::min(PANEL, N - p * PANEL); ++j)
-        for (int64_t k = 0; k < K; ++k) d[(p * K + k) * PANEL + j] = s[(p * PANEL + j) * K + k];
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < PANEL; ++j)
+          d[(p * K + k) * PANEL + j] = p * PANEL + j < N ? s[(p * PANEL + j) * sn + k * sk] : 0.f;
   });
-  return out;
 }
 
 #if defined(__AVX512F__)
@@ -862,3 +866,13 @@ def has_int4() -> bool:
 load = native.Kernels("kvcache_cpu_model", _SOURCE, ["pack_panels", "panel_linear", "int8_linear", "int4_linear",
                       "q8_linear", "has_int4", "add_rms_norm", "rope_", "attn_in", "mlp", "argmax_finite"], [],
                       "using PyTorch's ops")
+
+
+def pack_panels(w, kernels=None):
+    """w [N, K] float32 in panels [ceil(N / 32), K, 32] for panel_linear (the last panel's missing outputs zero), on
+    memory the OS may back with huge pages: decode streams every weight from memory each step. `kernels`: a
+    module built from this source (default: load())."""
+    import torch
+    out = native.huge_page_zeros((-(-w.shape[0] // 32), w.shape[1], 32), torch.float32)
+    (kernels or load()).pack_panels(w, out)
+    return out

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kvcache import native
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.config import WEIGHT_QUANTIZATIONS
 from kvcache.attention.paged import Workspace, paged_attention
@@ -164,13 +165,19 @@ class Dense(nn.Module):
         kernels = cpu_kernels.load() if how == "1" else None
         if kernels is None and not torch.backends.mkldnn.is_available():
             return False
-        # a contiguous [out, in] copy is made here (oneDNN would copy the transposed view itself), so that W can go
-        # before the repacking and loading peaks at the weights plus one matrix (tests/models/test_loading.py)
-        w_t = w.detach().t().contiguous()
-        del w
+        # loading peaks at the weights plus one matrix (tests/models/test_loading.py): the panels are read from W's
+        # transposed view with no copy; for oneDNN a contiguous [out, in] copy is made (it would copy the view
+        # itself), so that W can go before the repacking
+        if kernels is not None:
+            self.packed = cpu_kernels.pack_panels(w.detach().t(), kernels)
+        else:
+            w_t = w.detach().t().contiguous()
+            del w
+            if not keep_dense:
+                self.weight = None
+            self.packed = pack_weight(w_t)
         if not keep_dense:
             self.weight = None
-        self.packed = kernels.pack_panels(w_t) if kernels is not None else pack_weight(w_t)
         return True
 
     @property
@@ -381,8 +388,8 @@ class LlamaModel(nn.Module):
         fused = torch.device(device).type == "cpu" and self.compute_dtype == torch.float32
         kernels = cpu_kernels.load() if fused else None
         for m in self.modules():
-            if isinstance(m, Dense):
-                m.pack(keep_dense=m is self.lm_head and self.tied)
+            if isinstance(m, Dense) and m.pack(keep_dense=m is self.lm_head and self.tied):
+                native.trim_heap()
         for layer in self.layers:
             layer.fuse(kernels)
 

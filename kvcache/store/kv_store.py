@@ -8,6 +8,16 @@ from __future__ import annotations
 
 import torch
 
+from kvcache import native
+
+
+def block_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A layer's zeroed block tensor; on the CPU on huge pages where the OS gives them (native.huge_page_zeros):
+    decode reads blocks scattered over the whole pool, a TLB miss per 4 KiB page otherwise."""
+    if torch.device(device).type == "cpu":
+        return native.huge_page_zeros(tuple(shape), dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
 
 class KVStore:
     """Per-layer tensors of shape [num_blocks, block_size, num_kv_heads, head_dim].
@@ -33,8 +43,8 @@ class KVStore:
         self.exact = dtype == self.compute_dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: the null block pads block tables and must hold finite values.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = self.k if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [block_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = self.k if latent else [block_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @property
     def nbytes(self) -> int:

@@ -25,7 +25,7 @@ import torch
 
 from kvcache.plan.kv_bytes import kv_dtype
 from kvcache.store.codecs import BITS, FP8, quantize_per_channel, quantize_per_token, unpack
-from kvcache.store.kv_store import KVStore, _unique, alias_lists, move_slots
+from kvcache.store.kv_store import KVStore, _unique, alias_lists, block_zeros, move_slots
 
 
 @dataclass(slots=True)
@@ -105,7 +105,7 @@ class QuantizedKVStore:
             raise RuntimeError(f"{spec.name} block layout takes {self.row_bytes * num_layers:,} bytes per block; the "
                                f"planner counts {expected_bytes_per_token * bs:,}")
         # zeros: the null block pads block tables and must dequantize to finite values.
-        self.raw = [torch.zeros(num_blocks, self.row_bytes, dtype=torch.uint8, device=device) for _ in range(num_layers)]
+        self.raw = [block_zeros((num_blocks, self.row_bytes), torch.uint8, device) for _ in range(num_layers)]
         starts = dict(zip(parts, [sum(list(sizes.values())[:i]) for i in range(len(sizes))]))
         self.parts = [{name: raw[:, starts[name]:starts[name] + sizes[name]].view(t).view(num_blocks, *shape)
                        for name, (t, shape) in parts.items()} for raw in self.raw]

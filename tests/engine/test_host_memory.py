@@ -23,3 +23,40 @@ def test_freed_host_memory_is_reused_without_page_faults(monkeypatch):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 2000
     monkeypatch.setenv("KVCACHE_KEEP_FREED_MEMORY", "0")
     assert not native.keep_freed_host_memory()
+
+
+def _huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages (KiB) of the mapping that holds t's memory, from /proc/self/smaps."""
+    addr = t.data_ptr()
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the tensor")
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="madvise and /proc/self/smaps")
+def test_huge_page_zeros_is_zeroed_aligned_and_on_huge_pages_where_the_os_gives_them(monkeypatch):
+    shape = (5 * 2**20 // 4 + 123,)  # float32: 5 MiB and a tail, so two whole huge pages and small ones after
+    t = native.huge_page_zeros(shape, torch.float32)
+    assert t.shape == shape and t.dtype == torch.float32 and not t.any()
+    assert t.data_ptr() % native.HUGE_PAGE == 0
+    assert not t.untyped_storage().resizable()  # its own mapping, not the allocator's memory
+    t += 1  # writable, and the memory outlives the call that mapped it
+    assert t.sum().item() == t.numel()
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp = f.read()
+    if "[never]" not in thp:
+        assert _huge_kib(t) in (0, 2048, 4096)  # never the tail's page: at most the two whole ones
+        if _huge_kib(t) == 0:
+            pytest.skip("the kernel had no free huge pages")
+    small = native.huge_page_zeros((3, 5), torch.int64)  # under one huge page: torch.zeros
+    assert small.untyped_storage().resizable() and not small.any()
+    monkeypatch.setenv("KVCACHE_HUGE_PAGES", "0")
+    off = native.huge_page_zeros(shape, torch.float32)
+    assert off.untyped_storage().resizable() and not off.any()

@@ -107,7 +107,7 @@ def test_int4_linear_is_the_vnni_kernels_float_result_and_batch_invariant(kernel
 def test_panel_linear_is_its_reference_and_batch_invariant(kernels, k, n):
     g = torch.Generator().manual_seed(k * 100 + n)
     w = torch.randn(n, k, generator=g)
-    panels = kernels.pack_panels(w)
+    panels = cpu_kernels.pack_panels(w, kernels)
     assert panels.shape == (-(-n // 32), k, 32)
     x = torch.randn(29, k, generator=g)
     whole = torch.empty(29, n)
@@ -122,7 +122,7 @@ def test_panel_linear_is_its_reference_and_batch_invariant(kernels, k, n):
 
 
 def test_panel_linear_refuses_mismatched_shapes(kernels):
-    panels = kernels.pack_panels(torch.randn(40, 8))  # 2 panels: 33..64 outputs
+    panels = cpu_kernels.pack_panels(torch.randn(40, 8), kernels)  # 2 panels: 33..64 outputs
     x = torch.randn(3, 8)
     for out, xs in ((torch.empty(3, 32), x), (torch.empty(3, 65), x), (torch.empty(4, 40), x),
                     (torch.empty(3, 40), torch.randn(3, 9)), (torch.empty(3, 40), torch.randn(8, 3).t())):
@@ -151,11 +151,26 @@ def test_panel_linear_gives_the_same_floats_on_every_instruction_set(kernels, is
     g = torch.Generator().manual_seed(7)
     for n, k in ((70, 130), (32, 64), (5, 3)):
         w = torch.randn(n, k, generator=g)
-        panels = kernels.pack_panels(w)
-        assert torch.equal(other.pack_panels(w), panels)
+        panels = cpu_kernels.pack_panels(w, kernels)
+        assert torch.equal(cpu_kernels.pack_panels(w, other), panels)
         for m in (1, 6, 7, 13, 29):
             x = torch.randn(m, k, generator=g)
             a, b = torch.empty(m, n), torch.empty(m, n)
             kernels.panel_linear(a, x, panels)
             other.panel_linear(b, x, panels)
             assert torch.equal(a, b), (isa, n, k, m)
+
+
+def test_pack_panels_zeroes_the_padding_and_refuses_a_wrong_output(kernels):
+    w = torch.randn(40, 8)
+    out = torch.full((2, 8, 32), float("nan"))  # the padding outputs 40..63 are written, not assumed zero
+    kernels.pack_panels(w, out)
+    assert torch.equal(out, cpu_kernels.pack_panels(w, kernels))
+    assert torch.equal(out[1, :, 8:], torch.zeros(8, 24))
+    assert torch.equal(out.transpose(1, 2).reshape(64, 8)[:40], w)
+    view = w.t().contiguous().t()  # [40, 8] with strides (1, 40): a Dense's [in, out] weight, transposed
+    assert torch.equal(cpu_kernels.pack_panels(view, kernels), out)
+    for bad in (torch.empty(1, 8, 32), torch.empty(2, 9, 32), torch.empty(2, 8, 16), torch.empty(2, 32, 8).transpose(1, 2),
+                torch.empty(2, 8, 32, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="pack_panels: out must be"):
+            kernels.pack_panels(w, bad)
