@@ -8,7 +8,7 @@ import pytest
 
 from kvcache import LLM, RequestFailedError, SamplingParams
 from kvcache.compress.spec import EvictionSpec
-from kvcache.engine import llm_engine
+from kvcache.engine import sampling_step
 from kvcache.engine.llm_engine import MAX_CONSECUTIVE_FAILURES, EngineDeadError
 from kvcache.engine.model_runner import ModelRunner
 
@@ -76,14 +76,14 @@ def assert_failed(out, words: str) -> None:
 
 def test_a_sampler_that_raises_for_one_request_fails_only_it(engine, monkeypatch):
     clean = run(engine, workload())
-    real = llm_engine.sample
+    real = sampling_step.sample
 
     def faulty(logits, rows, eos):
         result = real(logits, rows, eos)  # the seeded generators have drawn already: a retry must rewind them
         if any(r.params.seed == BAD_SEED for r in rows):
             raise RuntimeError("injected sampler fault")
         return result
-    monkeypatch.setattr(llm_engine, "sample", faulty)
+    monkeypatch.setattr(sampling_step, "sample", faulty)
     out = run(engine, {**workload(), "bad": BAD})
     assert_failed(out["bad"], "sampling")
     assert_others_unharmed(clean, out)
@@ -195,13 +195,13 @@ def test_a_request_that_cannot_get_blocks_with_the_pool_idle_fails_instead_of_sp
 
 
 def test_the_offline_api_raises_with_every_output_once_all_are_done(llm, engine, monkeypatch):
-    real = llm_engine.sample
+    real = sampling_step.sample
 
     def faulty(logits, rows, eos):
         if any(r.params.seed == BAD_SEED for r in rows):
             raise RuntimeError("injected")
         return real(logits, rows, eos)
-    monkeypatch.setattr(llm_engine, "sample", faulty)
+    monkeypatch.setattr(sampling_step, "sample", faulty)
     with pytest.raises(RequestFailedError, match="1 of 2 requests failed; the first, prompt 1: .*sampling") as e:
         llm.generate([[5, 6, 7], BAD[0]], [SamplingParams(max_tokens=4, temperature=0), BAD[1]], use_tqdm=False)
     outs = e.value.outputs

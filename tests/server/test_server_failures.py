@@ -15,7 +15,7 @@ import pytest
 from live_server import API_KEY, MODEL, scrape, start_server
 from tiny_models import OVERFLOW_TOKEN, make_fp16_overflow_model
 from kvcache import LLM, SamplingParams
-from kvcache.engine import llm_engine
+from kvcache.engine import sampling_step
 from kvcache.engine.llm_engine import MAX_CONSECUTIVE_FAILURES
 from kvcache.engine.model_runner import ModelRunner
 from kvcache.server.serve import ENGINE_DEAD_STATUS, serve_until_dead
@@ -122,13 +122,13 @@ def test_every_response_carries_a_request_id(srv):
 @pytest.fixture
 def faulty_sampler(monkeypatch):
     """The sampler raises for every batch that holds the request seeded with BAD_SEED."""
-    real = llm_engine.sample
+    real = sampling_step.sample
 
     def faulty(logits, rows, eos):
         if any(r.params.seed == BAD_SEED for r in rows):
             raise RuntimeError("injected sampler fault")
         return real(logits, rows, eos)
-    monkeypatch.setattr(llm_engine, "sample", faulty)
+    monkeypatch.setattr(sampling_step, "sample", faulty)
 
 
 def test_a_fault_in_one_request_fails_it_alone_while_the_others_answer(srv, tiny_llama, faulty_sampler):
