@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from kvcache.eval.corpus import PASSKEY_QUESTION, document_windows, load_corpus, passkey_keys, passkey_prompt
-from kvcache.eval.kv_quality import (QualityStats, _fmt, build_engine, chat_wrap, compare_scores, greedy_outputs,
-                                     pool_bytes, ppl_delta_pct)
+from kvcache.eval.kv_quality import (QualityStats, _fmt, add_text_args, build_engine, chat_wrap, check_positive,
+                                     compare_scores, greedy_outputs, parse_depths, pool_bytes, ppl_delta_pct)
 
 if TYPE_CHECKING:  # torch is imported where it is used: `kvcache plan` loads kvcache.eval modules torch-free
     from kvcache.compress.spec import EvictionSpec
@@ -262,28 +262,19 @@ def measure_throughput(engine, prompts: list[list[int]], max_tokens: int, spec: 
 # ---- the command ----------------------------------------------------------------------------------------
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face model directory or GGUF file (default: SmolLM2-135M demo)")
+    add_text_args(p, num_docs=2, depths="0,0.25,0.5,0.75,1", passkeys_per_depth=1)
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"eviction policies to compare with the full cache "
                    f"(default {DEFAULT_POLICIES})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help="KV budgets, ratios of the prompt in (0, 1] "
                    f"(default {DEFAULT_BUDGETS})")
-    p.add_argument("--num-docs", type=int, default=2, help="corpus documents to score")
     p.add_argument("--context-len", type=int, default=1024, help="prompt tokens of each document (compacted)")
     p.add_argument("--continuation", type=int, default=128, help="tokens after the prompt, teacher-forced and scored")
-    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (tokens) when scoring")
-    p.add_argument("--corpus", default=None, help="a corpus file of '=== title ===' documents (default: the shipped "
-                   "Python docstrings)")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey depths, fractions of the filler")
-    p.add_argument("--passkeys-per-depth", type=int, default=1)
-    p.add_argument("--passkey-len", type=int, default=1024, help="tokens of each passkey prompt (about)")
     p.add_argument("--capacity-memory", default="96MiB", help="float32 KV pool of the memory/throughput runs")
     p.add_argument("--capacity-requests", type=int, default=12, help="requests submitted at once per run")
     p.add_argument("--capacity-prompt-len", type=int, default=1024, help="random prompt tokens of each request")
     p.add_argument("--capacity-max-tokens", type=int, default=64, help="tokens each request generates")
     p.add_argument("--capacity-budget", type=float, default=0.125, help="the budget every policy runs at in the "
                    "memory/throughput runs (snapkv runs at each of --budgets too)")
-    p.add_argument("--skip-passkey", action="store_true")
-    p.add_argument("--skip-capacity", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="passkeys, capacity prompts and random eviction")
     p.add_argument("--json", default="results/kv_eviction.json", help="write the results here ('' to skip)")
     p.add_argument("--plot", default="results/kv_eviction.png", help="draw quality against budget here ('' to skip)")
@@ -332,16 +323,9 @@ def check_budgets(policies: list[str], budgets: list[float], prompt_len: int, wh
 def _parse_args(args: argparse.Namespace) -> tuple[list[str], list[float], list[float]]:
     policies = parse_policies(args.policies)
     budgets = parse_budgets(args.budgets)
-    try:
-        depths = [float(x) for x in args.depths.split(",")]
-    except ValueError:
-        raise ValueError(f"--depths takes fractions separated by commas, got {args.depths!r}") from None
-    if any(not 0 <= d <= 1 for d in depths):
-        raise ValueError(f"--depths must lie in [0, 1], got {args.depths!r}")
-    for name in ("num_docs", "context_len", "continuation", "chunk_size", "passkeys_per_depth", "passkey_len",
-                 "capacity_requests", "capacity_prompt_len", "capacity_max_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    depths = parse_depths(args.depths)
+    check_positive(args, ("num_docs", "context_len", "continuation", "chunk_size", "passkeys_per_depth", "passkey_len",
+                          "capacity_requests", "capacity_prompt_len", "capacity_max_tokens"))
     if not 0 < args.capacity_budget <= 1:
         raise ValueError(f"--capacity-budget is a ratio of the prompt in (0, 1], got {args.capacity_budget:g}")
     check_budgets(policies, budgets, args.context_len, f"--context-len {args.context_len:,}")

@@ -288,26 +288,49 @@ def measure_capacity(engine, prompt_len: int, max_tokens: int, seed: int = 0) ->
 
 # ---- the command ----------------------------------------------------------------------------------------
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def add_text_args(p: argparse.ArgumentParser, num_docs: int, depths: str, passkeys_per_depth: int) -> None:
+    """The arguments both evaluations take for the model, the corpus and the passkey prompts."""
     p.add_argument("--model", default=None, help="Hugging Face model directory or GGUF file (default: SmolLM2-135M demo)")
-    p.add_argument("--kv-cache-dtypes", default=DEFAULT_DTYPES,
-                   help=f"formats to compare with the float32 cache (default {DEFAULT_DTYPES})")
-    p.add_argument("--num-docs", type=int, default=4, help="corpus documents to score")
-    p.add_argument("--context-len", type=int, default=1536, help="tokens of each document scored")
-    p.add_argument("--warmup", type=int, default=256, help="first positions not scored (they barely use the cache)")
+    p.add_argument("--num-docs", type=int, default=num_docs, help="corpus documents to score")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (tokens) when scoring")
     p.add_argument("--corpus", default=None, help="a corpus file of '=== title ===' documents (default: the shipped "
                    "Python docstrings)")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1.0", help="passkey depths, fractions of the filler")
-    p.add_argument("--passkeys-per-depth", type=int, default=2)
+    p.add_argument("--depths", default=depths, help="passkey depths, fractions of the filler")
+    p.add_argument("--passkeys-per-depth", type=int, default=passkeys_per_depth)
     p.add_argument("--passkey-len", type=int, default=1024, help="tokens of each passkey prompt (about)")
+    p.add_argument("--skip-passkey", action="store_true")
+    p.add_argument("--skip-capacity", action="store_true")
+
+
+def parse_depths(text: str) -> list[float]:
+    """'0,0.5,1' -> [0.0, 0.5, 1.0]: passkey depths in [0, 1]; ValueError otherwise."""
+    try:
+        depths = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--depths takes fractions separated by commas, got {text!r}") from None
+    if any(not 0 <= d <= 1 for d in depths):
+        raise ValueError(f"--depths must lie in [0, 1], got {text!r}")
+    return depths
+
+
+def check_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """ValueError naming the first of the integer options `names` that is below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_text_args(p, num_docs=4, depths="0,0.25,0.5,0.75,1.0", passkeys_per_depth=2)
+    p.add_argument("--kv-cache-dtypes", default=DEFAULT_DTYPES,
+                   help=f"formats to compare with the float32 cache (default {DEFAULT_DTYPES})")
+    p.add_argument("--context-len", type=int, default=1536, help="tokens of each document scored")
+    p.add_argument("--warmup", type=int, default=256, help="first positions not scored (they barely use the cache)")
     p.add_argument("--passkey-prompt", choices=["chat", "raw"], default="chat",
                    help="chat: the chat template with the reply started (default); raw: plain text")
     p.add_argument("--capacity-memory", default="96MiB", help="KV pool of every format in the capacity test")
     p.add_argument("--capacity-prompt-len", type=int, default=1000, help="prompt tokens of each capacity request")
     p.add_argument("--capacity-max-tokens", type=int, default=24, help="tokens each capacity request generates")
-    p.add_argument("--skip-passkey", action="store_true")
-    p.add_argument("--skip-capacity", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="passkeys and capacity prompts")
     p.add_argument("--json", default="results/kv_quality.json", help="write the results here ('' to skip)")
     p.add_argument("--plot", default="results/kv_quality.png", help="draw quality against bytes per token here "
@@ -324,16 +347,9 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], list[float]]:
         dtypes.append(name)
     if not dtypes:
         raise ValueError("--kv-cache-dtypes is empty")
-    try:
-        depths = [float(x) for x in args.depths.split(",")]
-    except ValueError:
-        raise ValueError(f"--depths takes fractions separated by commas, got {args.depths!r}") from None
-    if any(not 0 <= d <= 1 for d in depths):
-        raise ValueError(f"--depths must lie in [0, 1], got {args.depths!r}")
-    for name in ("num_docs", "passkeys_per_depth", "passkey_len", "chunk_size", "capacity_prompt_len",
-                 "capacity_max_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    depths = parse_depths(args.depths)
+    check_positive(args, ("num_docs", "passkeys_per_depth", "passkey_len", "chunk_size", "capacity_prompt_len",
+                          "capacity_max_tokens"))
     if not 0 <= args.warmup < args.context_len - 1:
         raise ValueError(f"--warmup {args.warmup} must be below --context-len {args.context_len} - 1, so that "
                          "positions are left to score")

@@ -18,6 +18,7 @@ from kvcache.eval.eviction import (SplitTrial, answer_tokens, check_budgets, eva
                                    reproduces, split_passkey_text, split_passkey_trials)
 from kvcache.eval.kv_quality import build_engine, passkey_trials, pool_bytes
 from kvcache.models.loader import read_checkpoint
+from word_tokenizer import WordTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -64,29 +65,6 @@ def test_held_tokens_is_the_budget_and_pyramidkv_holds_its_layers_whole_blocks()
 
 
 # ---- passkey ----------------------------------------------------------------------------------------------
-
-class WordTokenizer:
-    """One token per word and a two-tag chat template, so that split prompts stay readable."""
-
-    chat_template = "<user> ... <assistant>"
-
-    def __init__(self) -> None:
-        self.words: list[str] = []
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = []
-        for w in text.split():
-            if w not in self.words:
-                self.words.append(w)
-            ids.append(self.words.index(w))
-        return ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return " ".join(self.words[i] for i in ids)
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> str:
-        return f"<user> {messages[0]['content']} <assistant> "
-
 
 def test_split_passkey_prompt_cuts_before_the_question():
     text = passkey_prompt(12345, 0.5, 300, lambda s: len(s.split()))

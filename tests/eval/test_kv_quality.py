@@ -16,6 +16,7 @@ from kvcache.eval.kv_quality import (QualityStats, build_engine, evaluate_qualit
                                      pool_bytes, ppl_delta_pct, token_metrics)
 from kvcache.memory.kv_cache_manager import blocks_for
 from kvcache.models.loader import read_checkpoint
+from word_tokenizer import WordTokenizer
 
 REQUIRED = {"kl", "top1", "ppl", "ppl_delta_pct", "bytes_per_token", "passkey_acc", "pool_tokens",
             "concurrent_requests", "capacity_ratio_tokens", "capacity_ratio_requests"}
@@ -129,30 +130,6 @@ def test_passkey_trials_with_a_chat_template_are_near_the_target_length(tiny_loa
     assert all(200 - 20 < len(t.token_ids) <= 200 for t in raw)
     with pytest.raises(ValueError, match="no room for filler"):
         passkey_trials(tok, [0.5], 1, 30, "chat")
-
-
-class WordTokenizer:
-    """One token per word, and a two-tag chat template: prompts stay readable after a round trip."""
-
-    chat_template = "<user> ... <assistant>"
-
-    def __init__(self) -> None:
-        self.words: list[str] = []
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = []
-        for w in text.split():
-            if w not in self.words:
-                self.words.append(w)
-            ids.append(self.words.index(w))
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        return " ".join(self.words[i] for i in ids)
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> str:
-        assert add_generation_prompt and not tokenize and [m["role"] for m in messages] == ["user"]
-        return f"<user> {messages[0]['content']} <assistant> "
 
 
 def test_passkey_chat_prompt_starts_the_answer_after_the_template():
