@@ -295,12 +295,12 @@ class DecoderLayer(nn.Module):
         w_qkv, w_o, w_gate_up, w_down = self.fused
         if residual is None:
             residual, x = x, None
-        native = _native_write(store)  # a float32 store: attn_in stores K/V itself
-        cache = store.native_write(self.index, batch.slot_mapping) if native else (None, None, None)
+        writes_kv = _native_write(store)  # a float32 store: attn_in stores K/V itself
+        cache = store.native_write(self.index, batch.slot_mapping) if writes_kv else (None, None, None)
         qkv = self.kernels.attn_in(residual, x, self.input_norm, self.eps, w_qkv, (H + 2 * KVH) * hd, cos, sin,
                                    H + KVH, hd, *cache).view(T, -1, hd)
         q, k, v = qkv[:, :H], qkv[:, H:H + KVH], qkv[:, H + KVH:]
-        src = None if native else store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
+        src = None if writes_kv else store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
         o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
         out = self.kernels.mlp(residual, o.view(T, -1), w_o, self.post_norm, self.eps, w_gate_up, w_down,
                                self.gate_up.out_features // 2)
