@@ -127,9 +127,10 @@ def huge_page_zeros(shape: tuple[int, ...], dtype):
     """A zeroed CPU tensor on its own anonymous mapping, 2 MiB-aligned and marked MADV_HUGEPAGE, so that where
     transparent huge pages are enabled for madvise (Debian's default) the kernel backs it with 2 MiB pages: one TLB
     entry where 4 KiB pages take 512. For what a step streams from memory and no cache holds (the packed weights,
-    the KV blocks): decode steps at 32 rows ran ~5% faster on the demo model, weight-bound linear layers at 8-32
-    rows 2-12% (`kvcache bench linear`). Below 2 MiB, off Linux, or with KVCACHE_HUGE_PAGES=0: torch.zeros. The
-    pages are written here, so the memory is resident from the start, as torch.zeros's is."""
+    the KV blocks): on the demo model, its weights were read 1.04-1.28x faster at one row and 1.04-1.07x at 8
+    (`kvcache bench linear`), decode attention 1.10-1.13x (`kvcache bench attention`). Below 2 MiB, off Linux, or
+    with KVCACHE_HUGE_PAGES=0: torch.zeros; where the kernel refuses the advice, small pages. The pages are written
+    here, so the memory is resident from the start, as torch.zeros's is."""
     import ctypes
     import math
     import mmap
@@ -141,7 +142,10 @@ def huge_page_zeros(shape: tuple[int, ...], dtype):
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
     # whole huge pages inside the tensor only: a tail page of 2 MiB would be resident for the few bytes it holds
-    region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError:  # a kernel without transparent huge pages (EINVAL): the mapping works on small pages
+        pass
     # the tensor holds a reference to the mapping (torch.frombuffer), which lives as long as it does
     out = torch.frombuffer(region, dtype=dtype, count=math.prod(shape), offset=start).view(shape)
     return out.zero_()

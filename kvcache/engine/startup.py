@@ -1,9 +1,9 @@
 """LLMEngine's start-up, in its order: every setting checked against the checkpoint before anything loads, then
 the weights, the KV budget and pool, and the step's machinery (EngineStartup, a base of LLMEngine).
 
-What start-up sets on the engine and the step reads: config, device, dtype, tokenizer, max_model_len, shape,
-kv_dtype, layer_groups, backend, model, drafter, budget, capacity, kv (the block manager), store, offload,
-scheduler, runner, graphs, evictor, eos_token_ids, stop, stats and the (empty) request table.
+Among what start-up sets on the engine and the step reads: config, device, dtype, tokenizer, max_model_len,
+shape, kv_dtype, layer_groups, backend, model, drafter, tp, budget, capacity, kv (the block manager), store,
+offload, scheduler, runner, graphs, evictor, spec, eos_token_ids, stop, stats and the (empty) request table.
 """
 from __future__ import annotations
 

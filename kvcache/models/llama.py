@@ -170,14 +170,14 @@ class Dense(nn.Module):
         # itself), so that W can go before the repacking
         if kernels is not None:
             self.packed = cpu_kernels.pack_panels(w.detach().t(), kernels)
+            if not keep_dense:
+                self.weight = None
         else:
             w_t = w.detach().t().contiguous()
             del w
             if not keep_dense:
                 self.weight = None
             self.packed = pack_weight(w_t)
-        if not keep_dense:
-            self.weight = None
         return True
 
     @property
