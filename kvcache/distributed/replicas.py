@@ -419,9 +419,12 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
                 self._drain()
                 await asyncio.sleep(POLL_S)
 
-        async def _proxy(self, request: Request, path: str):
+        def _start_polling(self) -> None:
             if self.poller is None:  # started on the serving event loop
                 self.poller = asyncio.get_running_loop().create_task(self._poll())
+
+        async def _proxy(self, request: Request, path: str):
+            self._start_polling()
             body = await request.body()
             try:
                 parsed = json.loads(body) if body else {}
@@ -485,10 +488,15 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
         async def replicas(self):
             """Each replica's address, process and in-flight count (an error for one restarting: its handle waits
             for the new process), and the router's decisions and records."""
+            self._start_polling()
             out = []
             for i in range(len(self.handles)):
                 try:
                     addr = await asyncio.wait_for(self.handles[i].address.remote(), timeout=5 * POLL_S)
+                    # its KV events are followed from here: a readiness check made before the first request (as
+                    # clients and tests do) lets the subscription connect before the replica's first blocks are
+                    # stored, whose events would otherwise go out before anyone listens
+                    self._seen(i, addr)
                     out.append({**addr, "inflight": self.router.inflight[i]})
                 except asyncio.TimeoutError:
                     out.append({"error": f"no answer within {5 * POLL_S:g} s (restarting?)",

@@ -276,22 +276,40 @@ def test_metrics_get_a_replica_label():
 @contextlib.contextmanager
 def serving_replicas(model: str, tmp_path, *args: str):
     """`kvcache serve --replicas ...` on a free loopback port, until every replica is up: its URL; stopped after."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", "serve", "--model", model, "--port", str(port),
-                             "--kv-cache-memory", "1MiB", "--max-model-len", "256", "--served-model-name", "tiny",
-                             *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    for attempt in range(3):  # the free port can be taken before Ray's proxy binds it (the suite runs in parallel)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        log_path = tmp_path / f"serve-{attempt}.log"
+        proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", "serve", "--model", model, "--port", str(port),
+                                 "--kv-cache-memory", "1MiB", "--max-model-len", "256", "--served-model-name", "tiny",
+                                 *args], stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_until_serving(url, proc, 180, "/replicas", every_replica_up)
+            break
+        except RuntimeError:
+            _stop(proc, group=True)
+            if "Failed to bind to address" not in log_path.read_text() or attempt == 2:
+                raise
     try:
-        wait_until_serving(url, proc, 180, "/replicas", every_replica_up)
         yield url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        _stop(proc)
+
+
+def _stop(proc, group: bool = False) -> None:
+    """Stop `kvcache serve` (SIGINT to its process group, SIGKILL after 60 s); with `group`, also what is left of
+    the group once it has exited (the Ray processes of a server that failed to start)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            group = True
+    if group:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # nothing left
+            pass
 
 
 def _replicas(url: str) -> dict:
