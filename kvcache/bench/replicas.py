@@ -60,19 +60,36 @@ def _hits(url: str) -> tuple[float, float]:
     return total["hits"], total["queries"]
 
 
-def _start(args, policy: str, port: int, log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvcache.cli", "serve", "--replicas", str(args.replicas), "--routing", policy,
-                  "--routing-balance", str(args.routing_balance), "--port", str(port), "--kv-cache-memory", args.kv_cache_memory,
-           "--max-model-len", str(args.max_model_len)]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_until_serving(f"http://127.0.0.1:{port}", proc, 600, "/replicas", every_replica_up)
-    except RuntimeError as e:
-        _stop(proc)
-        raise RuntimeError(f"kvcache serve --replicas: {e}; see {log_path}") from None
-    return proc
+def _serve_args(args, policy: str) -> list[str]:
+    cmd = ["--replicas", str(args.replicas), "--routing", policy, "--routing-balance", str(args.routing_balance),
+           "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
+    return cmd + (["--model", args.model] if args.model else [])
+
+
+BIND_ATTEMPTS = 3
+
+
+def start_replicas(serve_args: list[str], log_path: str, timeout: float) -> tuple[subprocess.Popen, str]:
+    """`kvcache serve <serve_args>` on a free loopback port, once every replica is up: (its process, its URL). A
+    port taken before Ray's proxy binds it (another process picked it meanwhile) is tried again on another, up to
+    BIND_ATTEMPTS times; any other failure to start raises RuntimeError naming the log, its processes stopped."""
+    attempt = 0
+    while True:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", "serve", *serve_args, "--port", str(port)],
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_until_serving(url, proc, timeout, "/replicas", every_replica_up)
+            return proc, url
+        except RuntimeError as e:
+            stop_replicas(proc, leftovers=True)
+            with open(log_path) as f:
+                taken = "Failed to bind to address" in f.read()
+            attempt += 1
+            if not taken or attempt == BIND_ATTEMPTS:
+                raise RuntimeError(f"kvcache serve --replicas: {e}; see {log_path}") from None
 
 
 def every_replica_up(response) -> bool:
@@ -80,14 +97,22 @@ def every_replica_up(response) -> bool:
     return all("pid" in x for x in response.json()["replicas"])
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_replicas(proc: subprocess.Popen, leftovers: bool = False) -> None:
+    """SIGINT to the server's process group (serve.shutdown() and ray.shutdown() run on the way out), SIGKILL to
+    the group after 60 s; with `leftovers`, SIGKILL too to what is left of the group once the server has exited
+    (the Ray processes of a server that failed to start)."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)  # serve.shutdown() and ray.shutdown() run on the way out
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
+            leftovers = True
+    if leftovers:
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        except ProcessLookupError:  # nothing left of the group
+            pass
+        proc.wait()
 
 
 def _workload_args(args, name: str, url: str, out: str) -> list[str]:
@@ -114,9 +139,7 @@ def run(args: argparse.Namespace) -> int:
     results = {"replicas": args.replicas, "model": args.model or "demo", "workloads": {}}
     tmp = tempfile.mkdtemp(prefix="kvcache-bench-replicas-")
     for policy in ("kv-aware", "round-robin"):
-        port = free_port()
-        proc = _start(args, policy, port, os.path.join(tmp, f"{policy}.log"))
-        url = f"http://127.0.0.1:{port}"
+        proc, url = start_replicas(_serve_args(args, policy), os.path.join(tmp, f"{policy}.log"), 600)
         try:
             for name in names:
                 out = os.path.join(tmp, f"{policy}.{name}.json")
@@ -134,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                     "output_tokens_per_s": rep["output_throughput"], "completed": rep["completed"],
                     "failed": rep["failed"], "router_decisions": decisions}
         finally:
-            _stop(proc)
+            stop_replicas(proc)
     for name, w in results["workloads"].items():
         kv, rr = w["kv-aware"], w["round-robin"]
         w["hit_rate_ratio"] = kv["prefix_cache_hit_rate"] / max(1e-9, rr["prefix_cache_hit_rate"])

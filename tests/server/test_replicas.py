@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -15,15 +13,14 @@ import openai
 import pytest
 import redis
 
-from kvcache.bench.replicas import every_replica_up
-from kvcache.bench.serve import wait_until_serving
+from kvcache.bench.replicas import start_replicas, stop_replicas
 from kvcache.distributed.kv_index import EngineKeys, EventSubscriber, decode_batch
 from kvcache.distributed.replicas import PrefixRouter, prefix_keys, relabel, relay
 from kvcache.engine.kv_events import encode_event
 from kvcache.memory.block_hash import chain_hashes
 from kvcache.memory.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
 
-from live_server import API_KEY, free_port, scrape, start_server
+from live_server import API_KEY, scrape, start_server
 
 
 def test_the_router_sends_a_prefix_where_it_went_balanced_against_load():
@@ -276,40 +273,12 @@ def test_metrics_get_a_replica_label():
 @contextlib.contextmanager
 def serving_replicas(model: str, tmp_path, *args: str):
     """`kvcache serve --replicas ...` on a free loopback port, until every replica is up: its URL; stopped after."""
-    for attempt in range(3):  # the free port can be taken before Ray's proxy binds it (the suite runs in parallel)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log_path = tmp_path / f"serve-{attempt}.log"
-        proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli", "serve", "--model", model, "--port", str(port),
-                                 "--kv-cache-memory", "1MiB", "--max-model-len", "256", "--served-model-name", "tiny",
-                                 *args], stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_until_serving(url, proc, 180, "/replicas", every_replica_up)
-            break
-        except RuntimeError:
-            _stop(proc, group=True)
-            if "Failed to bind to address" not in log_path.read_text() or attempt == 2:
-                raise
+    proc, url = start_replicas(["--model", model, "--kv-cache-memory", "1MiB", "--max-model-len", "256",
+                                "--served-model-name", "tiny", *args], str(tmp_path / "serve.log"), 180)
     try:
         yield url
     finally:
-        _stop(proc)
-
-
-def _stop(proc, group: bool = False) -> None:
-    """Stop `kvcache serve` (SIGINT to its process group, SIGKILL after 60 s); with `group`, also what is left of
-    the group once it has exited (the Ray processes of a server that failed to start)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            group = True
-    if group:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # nothing left
-            pass
+        stop_replicas(proc)
 
 
 def _replicas(url: str) -> dict:
