@@ -3,6 +3,7 @@
 HTTP thread then runs during the engine's kernels instead of waiting for Python's switch interval (5 ms)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -84,6 +85,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 HOST_HEAP_BYTES = 1 << 30
 
 
+@functools.cache
 def _libc():
     """glibc, or None (not Linux, or another C library: musl has no mallopt or malloc_trim)."""
     if platform.system() != "Linux":
@@ -123,14 +125,15 @@ def trim_heap() -> None:
 HUGE_PAGE = 2 << 20
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype):
+def huge_page_zeros(shape: tuple[int, ...], dtype, touch: bool = True):
     """A zeroed CPU tensor on its own anonymous mapping, 2 MiB-aligned and marked MADV_HUGEPAGE, so that where
     transparent huge pages are enabled for madvise (Debian's default) the kernel backs it with 2 MiB pages: one TLB
     entry where 4 KiB pages take 512. For what a step streams from memory and no cache holds (the packed weights,
     the KV blocks): on the demo model, its weights were read 1.04-1.28x faster at one row and 1.04-1.07x at 8
     (`kvcache bench linear`), decode attention 1.10-1.13x (`kvcache bench attention`). Below 2 MiB, off Linux, or
     with KVCACHE_HUGE_PAGES=0: torch.zeros; where the kernel refuses the advice, small pages. The pages are written
-    here, so the memory is resident from the start, as torch.zeros's is."""
+    here (`touch`), so the memory is resident from the start, as torch.zeros's is; a caller about to write every
+    byte itself (pack_panels) passes touch=False: a fresh mapping reads as zeros already."""
     import ctypes
     import math
     import mmap
@@ -148,4 +151,4 @@ def huge_page_zeros(shape: tuple[int, ...], dtype):
         pass
     # the tensor holds a reference to the mapping (torch.frombuffer), which lives as long as it does
     out = torch.frombuffer(region, dtype=dtype, count=math.prod(shape), offset=start).view(shape)
-    return out.zero_()
+    return out.zero_() if touch else out

@@ -874,6 +874,6 @@ def pack_panels(w, kernels=None):
     memory the OS may back with huge pages: decode streams every weight from memory each step. `kernels`: a
     module built from this source (default: load())."""
     import torch
-    out = native.huge_page_zeros((-(-w.shape[0] // 32), w.shape[1], 32), torch.float32)
+    out = native.huge_page_zeros((-(-w.shape[0] // 32), w.shape[1], 32), torch.float32, touch=False)  # all written
     (kernels or load()).pack_panels(w, out)
     return out

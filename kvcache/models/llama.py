@@ -168,16 +168,11 @@ class Dense(nn.Module):
         # loading peaks at the weights plus one matrix (tests/models/test_loading.py): the panels are read from W's
         # transposed view with no copy; for oneDNN a contiguous [out, in] copy is made (it would copy the view
         # itself), so that W can go before the repacking
-        if kernels is not None:
-            self.packed = cpu_kernels.pack_panels(w.detach().t(), kernels)
-            if not keep_dense:
-                self.weight = None
-        else:
-            w_t = w.detach().t().contiguous()
-            del w
-            if not keep_dense:
-                self.weight = None
-            self.packed = pack_weight(w_t)
+        w_t = w.detach().t() if kernels is not None else w.detach().t().contiguous()
+        del w
+        if not keep_dense:
+            self.weight = None
+        self.packed = cpu_kernels.pack_panels(w_t, kernels) if kernels is not None else pack_weight(w_t)
         return True
 
     @property

@@ -47,6 +47,7 @@ def test_huge_page_zeros_is_zeroed_aligned_and_on_huge_pages_where_the_os_gives_
     shape = (5 * 2**20 // 4 + 123,)  # float32: 5 MiB and a tail, so two whole huge pages and small ones after
     t = native.huge_page_zeros(shape, torch.float32)
     assert t.shape == shape and t.dtype == torch.float32 and not t.any()
+    assert not native.huge_page_zeros(shape, torch.float32, touch=False).any()  # a fresh mapping reads as zeros
     assert t.data_ptr() % native.HUGE_PAGE == 0
     assert not t.untyped_storage().resizable()  # its own mapping, not the allocator's memory
     t += 1  # writable, and the memory outlives the call that mapped it
