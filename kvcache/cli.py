@@ -62,6 +62,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="publish KV cache events (vLLM's BlockStored/BlockRemoved/AllBlocksCleared, msgpack over "
                         "ZeroMQ PUB) for KV-aware routers: tcp://*:5557 binds; tcp://host:port connects")
     p.add_argument("--kv-events-topic", default="", help="the ZeroMQ topic of the KV events (default: none)")
+    p.add_argument("--kv-events-replay-endpoint", default=None,
+                   help="bind a ZeroMQ ROUTER here (tcp://*:5558, ipc://path) that replays the KV event batches a "
+                        "subscriber missed (vLLM's replay_endpoint: send [b'', start_seq as 8 bytes])")
+    p.add_argument("--kv-events-buffer-steps", type=int, default=10_000,
+                   help="KV event batches kept for replay (default 10000)")
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, vLLM\'s fields: \'{"method": "ngram", "num_speculative_tokens": '
                         '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": '
@@ -147,7 +152,9 @@ def print_kv_summary(engine, out=None) -> None:
     if info["kv_events"]:
         e = info["kv_events"]
         print(f"kv events : {e['published_events']:,} events in {e['published_batches']:,} batches to {e['endpoint']}"
-              + (f"; {e['failed_batches']} batches failed" if e["failed_batches"] else ""), file=out)
+              + (f"; {e['failed_batches']} batches failed" if e["failed_batches"] else "")
+              + (f"; {e['replays']} replays answered at {e['replay_endpoint']}" if e["replay_endpoint"] else ""),
+              file=out)
     if info["speculative_config"]:
         drafts, proposed, accepted = (info[f"spec_decode_num_{k}"] for k in ("drafts", "draft_tokens", "accepted_tokens"))
         from kvcache.engine.spec_decode import mean_acceptance_length

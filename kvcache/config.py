@@ -106,6 +106,10 @@ class EngineConfig:
     # connects to a subscriber that binds; None = none published
     kv_events_endpoint: str | None = None
     kv_events_topic: str = ""
+    # vLLM's replay_endpoint: a ROUTER bound here answers a subscriber's request for the batches it missed, from the
+    # last kv_events_buffer_steps batches (tcp://*:5558, ipc://path); None = no replay
+    kv_events_replay_endpoint: str | None = None
+    kv_events_buffer_steps: int = 10_000
     # Speculative decoding, vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (a dict or its JSON text); None = none (engine/spec_decode.py)
     speculative_config: dict | str | None = None
@@ -179,6 +183,7 @@ class EngineConfig:
                 ("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"kv_events_endpoint must be a ZeroMQ endpoint (tcp://*:5557, tcp://host:port, ipc://path);"
                              f" got {self.kv_events_endpoint!r}")
+        self._check_replay()
         from kvcache.engine.spec_decode import SpeculativeConfig
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative is not None:
@@ -202,7 +207,23 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "triton", "torch", "cpu"):
             raise ValueError(f"attention_backend must be one of auto, triton, torch, cpu; got {self.attention_backend!r}")
 
+    def _check_replay(self) -> None:
+        replay, steps = self.kv_events_replay_endpoint, self.kv_events_buffer_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"kv_events_buffer_steps must be a positive integer (batches kept for replay); got "
+                             f"{steps!r}")
+        if replay is None:
+            return
+        if self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint replays KV events: give --kv-events-endpoint too")
+        if not str(replay).startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"kv_events_replay_endpoint must be a ZeroMQ endpoint to bind (tcp://*:5558, "
+                             f"ipc://path); got {replay!r}")
+        if replay == self.kv_events_endpoint:
+            raise ValueError(f"kv_events_replay_endpoint must differ from kv_events_endpoint; both are {replay!r}")
+
     @property
     def eviction(self) -> EvictionSpec:
         """The eviction every request gets unless it asks for its own."""
         return EvictionSpec(self.kv_eviction, self.kv_budget)
+

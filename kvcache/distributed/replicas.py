@@ -9,7 +9,8 @@ router.
   (half its blocks at least) unless that one has more than `--routing-balance` requests in flight above the least
   loaded, and a new prefix to the replica holding the fewest prefix blocks (PrefixRouter: SGLang's cache-aware
   rule). What a replica holds comes from its KV events (each replica's engine publishes them on an ipc:// endpoint
-  of its own, which the ingress follows: kv_index.py), overlaid with what was sent to it and not yet confirmed; a
+  of its own, which the ingress follows, asking the replica's replay endpoint for what it missed: kv_index.py),
+  overlaid with what was sent to it and not yet confirmed; a
   request is keyed by the engine's own block hashes (the server's tokenizer and chat template, the request's
   cache_salt), or, when it cannot be hashed so, by an approximate chain of text hashes (prefix_keys) recorded as
   sent. `round-robin` is the baseline. A replica with the shared Redis tier configured (--kv-remote) still loads a
@@ -89,7 +90,8 @@ class PrefixRouter:
     What a replica holds is the union of two records, disjoint per replica:
     - `stored`: the block hashes its pool ("GPU" medium; the offload tiers' media are not counted) holds, from its
       KV events (BlockStored adds, BlockRemoved removes, AllBlocksCleared clears). A batch whose sequence number
-      does not follow the last one (batches were lost) clears it, to be rebuilt from that batch on.
+      does not follow the last one (batches were lost, and the replay could not give them back) clears it, to be
+      rebuilt from that batch on.
     - `recent`: keys sent to it that its events have not confirmed yet (a prefill takes time), or that can never be
       (the text keys of `prefix_keys`, for requests the ingress cannot hash as the engine does). An event for a key
       settles it: BlockStored moves it to `stored`, BlockRemoved drops it. What stays is bounded by the replica's
@@ -312,7 +314,9 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
             self.index = index
             # the router follows this replica's KV events here (a process's own path: a restart gets a new one)
             self.events = f"ipc://{options.events_dir}/replica-{index}-{os.getpid()}.ipc"
-            config = EngineConfig(**{**options.config, "kv_events_endpoint": self.events})
+            self.replay = f"ipc://{options.events_dir}/replica-{index}-{os.getpid()}-replay.ipc"
+            config = EngineConfig(**{**options.config, "kv_events_endpoint": self.events,
+                                     "kv_events_replay_endpoint": self.replay})
             self.app, self.loop = create(config, options.served_model_name, options.api_key)
             self.port = free_port()
             self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
@@ -325,13 +329,14 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
                 time.sleep(0.02)
 
         def address(self) -> dict:
-            return {"url": f"http://127.0.0.1:{self.port}", "pid": os.getpid(), "kv_events": self.events}
+            return {"url": f"http://127.0.0.1:{self.port}", "pid": os.getpid(), "kv_events": self.events,
+                    "kv_events_replay": self.replay}
 
         def load(self) -> dict:
             info = self.loop.engine.kv_cache_info()
             return {"kv_usage": info["usage"], "prefix_cache_hits": info["prefix_cache_hits"],
                     "prefix_cache_queries": info["prefix_cache_queries"], "pid": os.getpid(),
-                    "pool_tokens": info["num_tokens"], "kv_events": self.events}
+                    "pool_tokens": info["num_tokens"], "kv_events": self.events, "kv_events_replay": self.replay}
 
         def check_health(self) -> None:
             if not self.loop.alive or not self.thread.is_alive():
@@ -375,7 +380,7 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
             self.pids[i] = pid
             if info["kv_events"] != self.endpoints[i]:
                 self.endpoints[i] = info["kv_events"]
-                self.subscriber.follow(i, info["kv_events"])
+                self.subscriber.follow(i, info["kv_events"], info.get("kv_events_replay"))
 
         def _drain(self) -> None:
             """Apply the KV event batches received since the last call."""
@@ -493,9 +498,8 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
             for i in range(len(self.handles)):
                 try:
                     addr = await asyncio.wait_for(self.handles[i].address.remote(), timeout=5 * POLL_S)
-                    # its KV events are followed from here: a readiness check made before the first request (as
-                    # clients and tests do) lets the subscription connect before the replica's first blocks are
-                    # stored, whose events would otherwise go out before anyone listens
+                    # its KV events are followed from here on (or from the first request); what the replica
+                    # published before the subscription connected comes back from its replay endpoint
                     self._seen(i, addr)
                     out.append({**addr, "inflight": self.router.inflight[i]})
                 except asyncio.TimeoutError:
@@ -506,6 +510,7 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
             r = self.router
             return {"policy": r.policy, "replicas": out, "decisions": r.decisions, "retries": self.retries,
                     "held": r.held, "stored": [len(s) for s in r.stored], "resets": r.resets, "event_gaps": r.gaps,
+                    "event_replays": self.subscriber.replays, "events_replayed": self.subscriber.replayed,
                     "keys": self.key_kinds}
 
         @web.get("/metrics")
@@ -532,7 +537,11 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
             lines += [f'kvcache:router_prompt_keys_total{{kind="{k}"}} {v}' for k, v in self.key_kinds.items()]
             lines += ["# HELP kvcache:router_kv_event_gaps_total KV event batches lost (that replica's record rebuilt).",
                       "# TYPE kvcache:router_kv_event_gaps_total counter",
-                      f"kvcache:router_kv_event_gaps_total {self.router.gaps}"]
+                      f"kvcache:router_kv_event_gaps_total {self.router.gaps}",
+                      "# HELP kvcache:router_kv_event_batches_replayed_total KV event batches the router missed "
+                      "and got back from a replica's replay endpoint.",
+                      "# TYPE kvcache:router_kv_event_batches_replayed_total counter",
+                      f"kvcache:router_kv_event_batches_replayed_total {self.subscriber.replayed}"]
             return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     replicas = [EngineReplica.options(name=f"replica-{i}").bind(i) for i in range(num_replicas)]

@@ -107,7 +107,9 @@ class EngineStartup:
                              "use --quantization none on CUDA")
         tiers = offload_tiers(config)  # before the model loads: an unwritable directory is refused first
         self.kv_events = KVEventLog(config.block_size) if config.kv_events_endpoint else None
-        self.event_publisher = ZmqEventPublisher(self.kv_events, config.kv_events_endpoint, config.kv_events_topic) \
+        self.event_publisher = ZmqEventPublisher(
+            self.kv_events, config.kv_events_endpoint, config.kv_events_topic,
+            replay_endpoint=config.kv_events_replay_endpoint, buffer_steps=config.kv_events_buffer_steps) \
             if self.kv_events else None  # before the model loads too: an endpoint in use is refused first
         return loaded, draft, tiers, why
 

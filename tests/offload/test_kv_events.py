@@ -13,8 +13,8 @@ import zmq
 
 from kvcache import LLM, SamplingParams
 from kvcache.config import EngineConfig
-from kvcache.engine.kv_events import binds
-from kvcache.memory.kv_events import external_hash
+from kvcache.engine.kv_events import END_SEQ, ZmqEventPublisher, binds
+from kvcache.memory.kv_events import KVEventLog, external_hash
 
 
 # vLLM's structs (vllm/distributed/kv_events.py, the array_like layout its subscribers decode): if these decode what
@@ -214,6 +214,95 @@ def test_an_endpoint_in_use_is_refused_before_loading(tiny_llama):
     try:
         with pytest.raises(ValueError, match="cannot be used"):
             LLM(tiny_llama, kv_cache_memory="8MiB", kv_events_endpoint=f"tcp://*:{port}")
+    finally:
+        holder.close(0)
+        ctx.term()
+
+
+def _publish(log: KVEventLog, pub: ZmqEventPublisher, first: int, n: int) -> None:
+    """Batches of one BlockStored each, hashes first .. first + n - 1, each recorded once the last batch went out
+    (the start's AllBlocksCleared first), so that every one is a batch of its own."""
+    for h in range(first, first + n + 1):
+        deadline = time.monotonic() + 5
+        while pub.state.published_batches < h + 1 and time.monotonic() < deadline:
+            pub.notify()
+            time.sleep(0.005)
+        assert pub.state.published_batches == h + 1
+        if h < first + n:
+            log.stored([h], None, [1, 2])  # block size 2
+
+
+def _replay(endpoint: str, start: int, timeout_s: float = 5) -> list[tuple[int, bytes]]:
+    """Ask `endpoint` as vLLM's subscribers do (a DEALER: [b'', start]); the (seq, payload) answered, END excluded."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart((b"", start.to_bytes(8, "big")))
+        got = []
+        while sock.poll(int(timeout_s * 1000)):
+            empty, seq, payload = sock.recv_multipart()
+            assert empty == b""
+            if seq == END_SEQ:
+                assert payload == b""
+                return got
+            got.append((int.from_bytes(seq, "big"), payload))
+        raise AssertionError(f"no END_SEQ within {timeout_s} s; got {len(got)} batches")
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_a_replay_endpoint_gives_back_the_kept_batches_from_the_sequence_asked(tmp_path):
+    """vLLM's replay protocol: batches published before anyone listened come back in order from the start asked,
+    only the last buffer_steps of them are kept, and a malformed request is dropped without stopping the
+    publisher (the next request is answered)."""
+    log = KVEventLog(2)
+    replay = f"ipc://{tmp_path}/replay.ipc"
+    pub = ZmqEventPublisher(log, f"ipc://{tmp_path}/events.ipc", replay_endpoint=replay, buffer_steps=5)
+    try:
+        _publish(log, pub, 0, 3)  # batches 0 (AllBlocksCleared), 1, 2, 3
+        got = _replay(replay, 0)
+        assert [s for s, _ in got] == [0, 1, 2, 3]
+        batches = [DECODER.decode(p) for _, p in got]
+        assert isinstance(batches[0].events[0], AllBlocksCleared)
+        assert [b.events[0].block_hashes for b in batches[1:]] == [[0], [1], [2]]
+        assert [s for s, _ in _replay(replay, 2)] == [2, 3]
+        _publish(log, pub, 3, 4)  # batches 4 .. 7: only 3 .. 7 are kept
+        assert [s for s, _ in _replay(replay, 0)] == [3, 4, 5, 6, 7]
+        assert _replay(replay, 8) == []
+        ctx = zmq.Context()
+        bad = ctx.socket(zmq.DEALER)
+        bad.connect(replay)
+        bad.send_multipart((b"", b"\x01\x02"))  # a start that is not 8 bytes
+        assert not bad.poll(300)
+        bad.close(0)
+        ctx.term()
+        assert [s for s, _ in _replay(replay, 7)] == [7]
+        assert pub.info()["replays"] == 5 and pub.info()["replay_endpoint"] == replay
+    finally:
+        pub.close()
+
+
+def test_replay_settings_are_checked_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="give --kv-events-endpoint too"):
+        EngineConfig(kv_events_replay_endpoint="tcp://*:5558")
+    with pytest.raises(ValueError, match="must differ"):
+        EngineConfig(kv_events_endpoint="tcp://*:5557", kv_events_replay_endpoint="tcp://*:5557")
+    with pytest.raises(ValueError, match="kv_events_replay_endpoint must be a ZeroMQ endpoint"):
+        EngineConfig(kv_events_endpoint="tcp://*:5557", kv_events_replay_endpoint="http://*:5558")
+    for steps in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="kv_events_buffer_steps must be a positive integer"):
+            EngineConfig(kv_events_buffer_steps=steps)
+    ctx = zmq.Context()
+    holder = ctx.socket(zmq.ROUTER)
+    port = _port()
+    holder.bind(f"tcp://127.0.0.1:{port}")
+    try:  # a replay endpoint in use: refused, and the events endpoint it had bound is free again
+        events = f"ipc://{tmp_path}/events.ipc"
+        for _ in range(2):
+            with pytest.raises(ValueError, match="cannot be bound"):
+                ZmqEventPublisher(KVEventLog(16), events, replay_endpoint=f"tcp://127.0.0.1:{port}")
     finally:
         holder.close(0)
         ctx.term()

@@ -190,19 +190,143 @@ def test_a_kv_event_message_that_is_not_the_engines_is_refused_with_what_it_is()
     assert decode_batch(frames([0, [["BlockRemoved", [1, 2], "GPU"]], 0])) == (0, [["BlockRemoved", [1, 2], "GPU"]])
 
 
+class FakePublisher:
+    """A replica's KV event sockets driven by hand: a PUB bound at `endpoint` and a ROUTER at `replay` whose requests
+    the test answers (or not) with `answer`."""
+
+    def __init__(self, tmp_path) -> None:
+        import zmq
+        self.endpoint, self.replay = f"ipc://{tmp_path}/ev.ipc", f"ipc://{tmp_path}/ev-replay.ipc"
+        self.ctx = zmq.Context()
+        self.pub, self.router = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.ROUTER)
+        self.pub.bind(self.endpoint)
+        self.router.bind(self.replay)
+
+    @staticmethod
+    def payload(seq: int) -> bytes:
+        return msgpack.packb([0.0, [encode_event(BlockStored([seq], None, [1] * 4, 4, "GPU"))], 0])
+
+    def send(self, seq: int) -> None:
+        self.pub.send_multipart([b"", seq.to_bytes(8, "big"), self.payload(seq)])
+
+    def request(self, timeout_s: float = 5) -> tuple[bytes, int]:
+        """The next replay request: (client, start)."""
+        assert self.router.poll(int(timeout_s * 1000)), "no replay request came"
+        client, empty, start = self.router.recv_multipart()
+        assert empty == b"" and len(start) == 8
+        return client, int.from_bytes(start, "big")
+
+    def answer(self, client: bytes, seqs) -> None:
+        from kvcache.engine.kv_events import END_SEQ
+        for seq in seqs:
+            self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), self.payload(seq)])
+        self.router.send_multipart([client, b"", END_SEQ, b""])
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.router.close(0)
+        self.ctx.term()
+
+
+def _delivered(sub: EventSubscriber, n: int, timeout_s: float = 5) -> list[int]:
+    """The sequence numbers of the next `n` batches the subscriber delivers (fewer if they do not come in time)."""
+    got, end = [], time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < end:
+        try:
+            _, _, seq, events = sub.batches.get(timeout=0.05)
+        except Exception:  # queue.Empty
+            continue
+        assert events[0][1] == [seq]
+        got.append(seq)
+    return got
+
+
+def test_the_subscriber_fills_what_it_missed_from_the_replay_in_order_and_once(tmp_path):
+    """Following late asks the replay from 0, and live batches received meanwhile wait behind it; a gap in the live
+    stream asks for the missing batches; every batch reaches the router once, in order."""
+    fake, sub = FakePublisher(tmp_path), EventSubscriber()
+    try:
+        sub.follow(0, fake.endpoint, fake.replay)
+        client, start = fake.request()
+        assert start == 0
+        end = time.monotonic() + 5  # the SUB socket connects: live batches now arrive, and wait for the replay
+        while sub.batches.empty() and time.monotonic() < end and not _held(sub):
+            fake.send(3)
+            time.sleep(0.05)
+        fake.send(4)
+        assert sub.batches.empty()
+        fake.answer(client, [0, 1, 2, 3])  # the publisher kept 0 .. 3 (3 also came live: delivered once)
+        assert _delivered(sub, 5) == [0, 1, 2, 3, 4]
+        fake.send(4)  # a duplicate: dropped
+        fake.send(7)  # 5 and 6 lost: held, and asked for
+        client, start = fake.request()
+        assert start == 5 and sub.batches.empty()
+        fake.answer(client, [5, 6, 7])
+        fake.send(8)
+        assert _delivered(sub, 5, 2) == [5, 6, 7, 8]
+        assert (sub.replays, sub.replayed, sub.bad) == (2, 5, 0)
+    finally:
+        sub.close()
+        fake.close()
+
+
+def _held(sub: EventSubscriber) -> bool:
+    """Whether the subscriber thread holds a live batch back (it received one during the replay)."""
+    import gc
+    from kvcache.distributed.kv_index import _Feed
+    return any(f.held for f in gc.get_objects() if isinstance(f, _Feed))
+
+
+def test_a_subscriber_with_nothing_to_follow_yet_waits_instead_of_spinning():
+    """Before the first `follow` its poller has no socket, which zmq answers at once: the thread must block on the
+    follow queue, not spin holding the GIL (it slowed a tokenizer load on the main thread 18-fold)."""
+    sub = EventSubscriber()
+    try:
+        start = time.thread_time(), time.process_time()
+        time.sleep(1.0)
+        cpu = time.process_time() - start[1] - (time.thread_time() - start[0])  # the other threads' CPU
+        assert cpu < 0.3, f"the idle subscriber thread used {cpu:.2f} s of CPU in 1 s"
+    finally:
+        sub.close()
+
+
+def test_a_replay_that_never_answers_is_given_up_and_the_gap_reaches_the_router(tmp_path, monkeypatch, caplog):
+    import kvcache.distributed.kv_index as kv_index
+    monkeypatch.setattr(kv_index, "REPLAY_TIMEOUT_S", 0.5)
+    fake, sub = FakePublisher(tmp_path), EventSubscriber()
+    try:
+        sub.follow(0, fake.endpoint, fake.replay)
+        fake.request()  # never answered
+        end = time.monotonic() + 5
+        while not _held(sub) and time.monotonic() < end:
+            fake.send(2)
+            time.sleep(0.05)
+        assert _delivered(sub, 1) == [2]  # after the timeout, with its gap from 0
+        router = PrefixRouter(1, "kv-aware")
+        router.apply(0, 0, [])
+        router.apply(0, 2, [])
+        assert router.gaps == 1
+        fake.send(4)  # followed without replay now: a gap goes straight through
+        assert _delivered(sub, 1) == [4] and sub.replays == 1
+        assert "did not answer within 0.5 s" in caplog.text
+    finally:
+        sub.close()
+        fake.close()
+
+
 @pytest.mark.parametrize("model", ["tiny_llama", pytest.param("demo_path", marks=pytest.mark.demo)])
 def test_the_router_hashes_completion_and_chat_prompts_as_the_engine_stores_them(model, request, tmp_path):
-    """A server publishing its KV events, followed by the router's subscriber: the keys the router computes for a
+    """A server publishing its KV events, followed by the router's subscriber only after the requests (what came
+    before arrives from the replay endpoint): the keys the router computes for a
     text prompt, token ids, chat messages and a salted chat request are exactly the blocks the engine then stored
     (and the salt keys them apart). The tiny model's word-level tokenizer, and the demo model's BPE one and chat
     template (which adds a system prompt of its own)."""
     path = request.getfixturevalue(model)
-    endpoint = f"ipc://{tmp_path}/events.ipc"
-    srv = start_server(path, kv_events_endpoint=endpoint, kv_cache_memory="64MiB")  # every prompt stays cached
+    endpoint, replay = f"ipc://{tmp_path}/events.ipc", f"ipc://{tmp_path}/replay.ipc"
+    srv = start_server(path, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay,
+                       kv_cache_memory="64MiB")  # every prompt stays cached
     sub = EventSubscriber()
     try:
-        sub.follow(0, endpoint)
-        time.sleep(0.5)  # connected before anything is published (a late subscriber misses what came before)
         keys = EngineKeys(path, srv.loop.engine.config.block_size)
         words = " ".join(f"w{5 + i}" for i in range(40))  # 40 tokens of the tiny model's, more of the demo's
         chat = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "system", "content": words},
@@ -217,6 +341,7 @@ def test_the_router_hashes_completion_and_chat_prompts_as_the_engine_stores_them
         for path, body in bodies:
             r = httpx.post(f"{srv.url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
             assert r.status_code == 200, r.text
+        sub.follow(0, endpoint, replay)  # after the requests: what was published before comes from the replay
         end = time.monotonic() + 10
         while not all(router.matched(k) == [len(k)] for k in expected) and time.monotonic() < end:
             time.sleep(0.05)
@@ -224,7 +349,7 @@ def test_the_router_hashes_completion_and_chat_prompts_as_the_engine_stores_them
                 _, _, seq, events = sub.batches.get()
                 router.apply(0, seq, events)
         assert [router.matched(k)[0] for k in expected] == [len(k) for k in expected] and router.gaps == 0
-        assert sub.bad == 0
+        assert sub.bad == 0 and sub.replays == 1 and sub.replayed >= len(bodies)
     finally:
         sub.close()
         srv.stop()
