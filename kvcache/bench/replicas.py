@@ -160,11 +160,20 @@ def run(args: argparse.Namespace) -> int:
             stop_replicas(proc)
     for name, w in results["workloads"].items():
         kv, rr = w["kv-aware"], w["round-robin"]
-        w["hit_rate_ratio"] = kv["prefix_cache_hit_rate"] / max(1e-9, rr["prefix_cache_hit_rate"])
-        w["ttft_ratio"] = kv["mean_ttft_ms"] / max(1e-9, rr["mean_ttft_ms"])
+        w["hit_rate_ratio"] = _ratio(kv["prefix_cache_hit_rate"], rr["prefix_cache_hit_rate"])
+        w["ttft_ratio"] = _ratio(kv["mean_ttft_ms"], rr["mean_ttft_ms"])
     _print(results)
     write_json(args.json, results)
     return 0
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a / b; None (no ratio: JSON null, printed n/a) when b is 0, as round-robin's hit rate can be."""
+    return a / b if b else None
+
+
+def _times(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}x"
 
 
 def _print(results: dict) -> None:
@@ -175,5 +184,5 @@ def _print(results: dict) -> None:
             r = w[policy]
             print(f"{name:<14} {policy:<12} {r['prefix_cache_hit_rate']:>8.1%} {r['mean_ttft_ms']:>13.0f} "
                   f"{r['output_tokens_per_s']:>10.1f} {r['failed']:>7}")
-        print(f"{'':<14} {'kv-aware / round-robin':<12}: hit rate {w['hit_rate_ratio']:.2f}x, mean TTFT "
-              f"{w['ttft_ratio']:.2f}x")
+        print(f"{'':<14} {'kv-aware / round-robin':<12}: hit rate {_times(w['hit_rate_ratio'])} (round-robin "
+              f"{w['round-robin']['prefix_cache_hit_rate']:.1%}), mean TTFT {_times(w['ttft_ratio'])}")
