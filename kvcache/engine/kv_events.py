@@ -165,7 +165,8 @@ def _publish_loop(events: KVEventLog, s: _Sockets, topic: bytes, rank: int, endp
                 except Exception:  # never let the thread die: count, log, carry on (a replay still has it)
                     state.failed_batches += 1
                     log.exception("publishing %d KV events to %s failed", len(batch), endpoint)
-                s.kept.append((seq, payload))
+                if s.replay is not None:  # kept only where someone can ask for it
+                    s.kept.append((seq, payload))
                 seq += 1
             while s.replay is not None and s.replay.poll(0):
                 try:
