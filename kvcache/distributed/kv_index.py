@@ -128,6 +128,7 @@ class EventSubscriber:
         self.replays = 0  # replay requests sent
         self.replayed = 0  # batches a replay delivered that the SUB socket had not
         self._follow: queue.SimpleQueue = queue.SimpleQueue()
+        self._feeds: dict[int, _Feed] = {}  # per replica; the thread's own (read elsewhere only to inspect it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvcache-router-events", daemon=True)
         self._thread.start()
@@ -139,10 +140,14 @@ class EventSubscriber:
         self._stop.set()
         self._thread.join(timeout)
 
+    def held(self) -> int:
+        """Batches held back behind a replay in flight, over every replica."""
+        return sum(len(f.held) for f in list(self._feeds.values()))
+
     def _run(self) -> None:
         import zmq
         ctx, poller = zmq.Context(), zmq.Poller()
-        feeds: dict[int, _Feed] = {}
+        feeds = self._feeds
         owner: dict[object, _Feed] = {}
         try:
             while not self._stop.is_set():

@@ -250,7 +250,7 @@ def test_the_subscriber_fills_what_it_missed_from_the_replay_in_order_and_once(t
         client, start = fake.request()
         assert start == 0
         end = time.monotonic() + 5  # the SUB socket connects: live batches now arrive, and wait for the replay
-        while sub.batches.empty() and time.monotonic() < end and not _held(sub):
+        while sub.batches.empty() and time.monotonic() < end and not sub.held():
             fake.send(3)
             time.sleep(0.05)
         fake.send(4)
@@ -268,13 +268,6 @@ def test_the_subscriber_fills_what_it_missed_from_the_replay_in_order_and_once(t
     finally:
         sub.close()
         fake.close()
-
-
-def _held(sub: EventSubscriber) -> bool:
-    """Whether the subscriber thread holds a live batch back (it received one during the replay)."""
-    import gc
-    from kvcache.distributed.kv_index import _Feed
-    return any(f.held for f in gc.get_objects() if isinstance(f, _Feed))
 
 
 def test_a_subscriber_with_nothing_to_follow_yet_waits_instead_of_spinning():
@@ -298,7 +291,7 @@ def test_a_replay_that_never_answers_is_given_up_and_the_gap_reaches_the_router(
         sub.follow(0, fake.endpoint, fake.replay)
         fake.request()  # never answered
         end = time.monotonic() + 5
-        while not _held(sub) and time.monotonic() < end:
+        while not sub.held() and time.monotonic() < end:
             fake.send(2)
             time.sleep(0.05)
         assert _delivered(sub, 1) == [2]  # after the timeout, with its gap from 0
