@@ -97,12 +97,16 @@ def every_replica_up(response) -> bool:
     return all("pid" in x for x in response.json()["replicas"])
 
 
-def stop_replicas(proc: subprocess.Popen, leftovers: bool = False) -> None:
-    """SIGINT to the server's process group (serve.shutdown() and ray.shutdown() run on the way out), SIGKILL to
-    the group after 60 s; with `leftovers`, SIGKILL too to what is left of the group once the server has exited
-    (the Ray processes of a server that failed to start)."""
+def stop_replicas(proc: subprocess.Popen, leftovers: bool = False, term: bool = False) -> None:
+    """SIGINT to the server's process group (serve.shutdown() and ray.shutdown() run on the way out), or with `term`
+    SIGTERM to the server alone (as a supervisor stops it); SIGKILL to the group after 60 s; with `leftovers`, SIGKILL
+    too to what is left of the group once the server has exited (the Ray processes of a server that failed to
+    start)."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
+        if term:
+            os.kill(proc.pid, signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

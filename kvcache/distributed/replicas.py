@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import signal
 import tempfile
 import threading
 import time
@@ -548,6 +549,12 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
     return Router.options(name="router").bind(*replicas)
 
 
+def _stop_on_sigterm(signum, frame) -> None:
+    """SIGTERM (systemd's, Kubernetes') ends `kvcache serve --replicas` as Ctrl-C does: Ray Serve and the Ray cluster
+    it started are shut down and the KV event endpoints' directory is removed, instead of being left behind."""
+    raise KeyboardInterrupt
+
+
 def serve_replicas(args, config) -> int:
     """`kvcache serve --replicas K`: start a local Ray cluster and Ray Serve, deploy, and serve until interrupted."""
     if args.replicas < 1:
@@ -566,6 +573,8 @@ def serve_replicas(args, config) -> int:
     options = ReplicaOptions(dataclasses.asdict(config), model_name(config.model, args.served_model_name),
                              args.api_key or None, max(1, cores // args.replicas), events_dir.name)
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # a supervisor's stop: the same way out as Ctrl-C's
+    log.info("the replicas' KV event endpoints live in %s", events_dir.name)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(args.replicas, options, args.routing, args.routing_balance), name="kvcache",

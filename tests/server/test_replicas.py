@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 
@@ -390,13 +391,18 @@ def test_metrics_get_a_replica_label():
 
 @contextlib.contextmanager
 def serving_replicas(model: str, tmp_path, *args: str):
-    """`kvcache serve --replicas ...` on a free loopback port, until every replica is up: its URL; stopped after."""
+    """`kvcache serve --replicas ...` on a free loopback port, until every replica is up: its URL. Stopped after by
+    SIGTERM to the server alone, as a supervisor stops it: it must exit 0 having removed its KV event endpoints'
+    directory (Ray's shutdown runs on that way out too)."""
+    log_path = tmp_path / "serve.log"
     proc, url = start_replicas(["--model", model, "--kv-cache-memory", "1MiB", "--max-model-len", "256",
-                                "--served-model-name", "tiny", *args], str(tmp_path / "serve.log"), 180)
+                                "--served-model-name", "tiny", *args], str(log_path), 180)
     try:
         yield url
     finally:
-        stop_replicas(proc)
+        stop_replicas(proc, term=True)
+    events_dir = re.search(r"KV event endpoints live in (\S+)", log_path.read_text()).group(1)
+    assert proc.returncode == 0 and not os.path.exists(events_dir), log_path.read_text()[-2000:]
 
 
 def _replicas(url: str) -> dict:
