@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import psutil
 
 from kvcache.compress.spec import EvictionSpec, parse_budget
+from kvcache.engine.kv_events import ENDPOINT_SCHEMES
 from kvcache.plan.capacity import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from kvcache.plan.kv_bytes import KV_DTYPES, default_block_size, kv_dtype
 
@@ -179,8 +180,7 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.kv_offload_memory is None and self.kv_offload_dir is None:
             raise ValueError("preemption_mode swap keeps a preempted sequence's KV in an offload tier: give "
                              "--kv-offload-memory SIZE (host memory) or --kv-offload-dir PATH (disk)")
-        if self.kv_events_endpoint is not None and not str(self.kv_events_endpoint).startswith(
-                ("tcp://", "ipc://", "inproc://")):
+        if self.kv_events_endpoint is not None and not str(self.kv_events_endpoint).startswith(ENDPOINT_SCHEMES):
             raise ValueError(f"kv_events_endpoint must be a ZeroMQ endpoint (tcp://*:5557, tcp://host:port, ipc://path);"
                              f" got {self.kv_events_endpoint!r}")
         self._check_replay()
@@ -216,7 +216,7 @@ class EngineConfig:
             return
         if self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint replays KV events: give --kv-events-endpoint too")
-        if not str(replay).startswith(("tcp://", "ipc://", "inproc://")):
+        if not str(replay).startswith(ENDPOINT_SCHEMES):
             raise ValueError(f"kv_events_replay_endpoint must be a ZeroMQ endpoint to bind (tcp://*:5558, "
                              f"ipc://path); got {replay!r}")
         if replay == self.kv_events_endpoint:

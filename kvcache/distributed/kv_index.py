@@ -230,8 +230,6 @@ class EventSubscriber:
                 self.bad += 1
                 log.warning("replica %d sent a KV event message that cannot be read: %s", feed.replica, e)
                 continue
-            if replayed and feed.replay_since is None:
-                continue  # a replay given up on answers late
             if replayed and seq not in feed.held and (feed.next is None or seq >= feed.next):
                 self.replayed += 1
             self._offer(feed, seq, events)

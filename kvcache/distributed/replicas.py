@@ -329,15 +329,18 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
                     raise RuntimeError(f"replica {index}'s HTTP server did not start")
                 time.sleep(0.02)
 
+        def _process(self) -> dict:
+            """Which process this is, and where its KV events (and their replay) are: what the router's _seen reads."""
+            return {"pid": os.getpid(), "kv_events": self.events, "kv_events_replay": self.replay}
+
         def address(self) -> dict:
-            return {"url": f"http://127.0.0.1:{self.port}", "pid": os.getpid(), "kv_events": self.events,
-                    "kv_events_replay": self.replay}
+            return {"url": f"http://127.0.0.1:{self.port}", **self._process()}
 
         def load(self) -> dict:
             info = self.loop.engine.kv_cache_info()
             return {"kv_usage": info["usage"], "prefix_cache_hits": info["prefix_cache_hits"],
-                    "prefix_cache_queries": info["prefix_cache_queries"], "pid": os.getpid(),
-                    "pool_tokens": info["num_tokens"], "kv_events": self.events, "kv_events_replay": self.replay}
+                    "prefix_cache_queries": info["prefix_cache_queries"], "pool_tokens": info["num_tokens"],
+                    **self._process()}
 
         def check_health(self) -> None:
             if not self.loop.alive or not self.thread.is_alive():
@@ -381,7 +384,7 @@ def build_app(num_replicas: int, options: ReplicaOptions, policy: str, balance: 
             self.pids[i] = pid
             if info["kv_events"] != self.endpoints[i]:
                 self.endpoints[i] = info["kv_events"]
-                self.subscriber.follow(i, info["kv_events"], info.get("kv_events_replay"))
+                self.subscriber.follow(i, info["kv_events"], info["kv_events_replay"])
 
         def _drain(self) -> None:
             """Apply the KV event batches received since the last call."""

@@ -546,9 +546,9 @@ void pack_panels(torch::Tensor w, torch::Tensor out) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
               "pack_panels: w must be a float32 [N, K] matrix on the CPU");
   const int64_t N = w.size(0), K = w.size(1), P = (N + PANEL - 1) / PANEL, sn = w.stride(0), sk = w.stride(1);
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 3 && out.size(0) == P &&
-              out.size(1) == K && out.size(2) == PANEL, "pack_panels: out must be a contiguous float32 [", P,
-              ", ", K, ", ", PANEL, "] tensor on the CPU");
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 3 &&
+              out.size(0) == P && out.size(1) == K && out.size(2) == PANEL,
+              "pack_panels: out must be a contiguous float32 [", P, ", ", K, ", ", PANEL, "] tensor on the CPU");
   const float* s = w.data_ptr<float>();
   float* d = out.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {

@@ -298,8 +298,8 @@ def test_replay_settings_are_checked_before_loading(tmp_path):
     holder = ctx.socket(zmq.ROUTER)
     port = _port()
     holder.bind(f"tcp://127.0.0.1:{port}")
-    try:  # a replay endpoint in use: refused, and the events endpoint it had bound is free again
-        events = f"ipc://{tmp_path}/events.ipc"
+    try:  # a replay endpoint in use: refused, and the events port it had bound is free again (bound twice)
+        events = f"tcp://*:{_port()}"
         for _ in range(2):
             with pytest.raises(ValueError, match="cannot be bound"):
                 ZmqEventPublisher(KVEventLog(16), events, replay_endpoint=f"tcp://127.0.0.1:{port}")
