@@ -170,7 +170,7 @@ def _publish_loop(events: KVEventLog, s: _Sockets, topic: bytes, rank: int, endp
                 seq += 1
             while s.replay is not None and s.replay.poll(0):
                 try:
-                    state.replays += _answer_replay(s.replay, s.kept)
+                    _answer_replay(s.replay, s.kept, state)
                 except Exception:  # a bad request or a vanished client: the next one is served
                     log.exception("answering a KV events replay request failed")
             if state.stop:
@@ -182,18 +182,19 @@ def _publish_loop(events: KVEventLog, s: _Sockets, topic: bytes, rank: int, endp
         s.ctx.term()
 
 
-def _answer_replay(sock, kept: deque) -> bool:
+def _answer_replay(sock, kept: deque, state: PublisherState) -> None:
     """One request waiting on the ROUTER `sock`: [client, b"", start_seq] gets every kept batch from start_seq on,
-    then the END_SEQ marker (True); a request laid out otherwise is logged and dropped (False)."""
+    then the END_SEQ marker, counted in state.replays before the marker goes (a client that got it sees the count);
+    a request laid out otherwise is logged and dropped."""
     import zmq
     frames = sock.recv_multipart()
     if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
         log.warning("a KV events replay request is [b'', 8-byte start sequence number]; got %d frames of %s bytes",
                     len(frames) - 1, [len(f) for f in frames[1:]])
-        return False
+        return
     client, start = frames[0], int.from_bytes(frames[2], "big")
     for seq, payload in list(kept):
         if seq >= start:
             sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+    state.replays += 1
     sock.send_multipart((client, b"", END_SEQ, b""), zmq.NOBLOCK)
-    return True
