@@ -180,7 +180,7 @@ class DraftProposer:
         sampled = [i for i, (seq, _) in enumerate(chunks) if seq.seq_id in probs]
         if sampled:
             # non-finite draft logits would make no distribution: such a row proposes its argmax, one-hot
-            rows = [SamplingRow(seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids + seq.draft)
+            rows = [SamplingRow(seq.params, seq.generator, seq.token_ids + seq.draft, seq.num_prompt_tokens)
                     for seq, _ in (chunks[i] for i in sampled)]
             mine = logits[sampled]
             q = probabilities(mine, rows, eos_token_id)

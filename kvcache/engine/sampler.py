@@ -32,12 +32,31 @@ CANDIDATE_WIDTHS = (64, 1024)
 
 @dataclass(slots=True)
 class SamplingRow:
-    """One row of the batch's logits and what its sampler needs to know."""
+    """One row of the batch's logits and what its sampler needs to know. The row holds its sequence's token list
+    as it is (no copy: a step builds a row per running sequence, and only penalties and min_tokens read the
+    tokens); the prompt is its first `num_prompt_tokens`."""
 
     params: SamplingParams
     generator: torch.Generator | None  # per-request seeded generator, None = global RNG
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]  # the prompt, then the output so far
+    num_prompt_tokens: int
+
+    @classmethod
+    def of(cls, params: SamplingParams, generator: torch.Generator | None, prompt: list[int],
+           output: list[int]) -> SamplingRow:
+        return cls(params, generator, [*prompt, *output], len(prompt))
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass(slots=True)
@@ -66,7 +85,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | No
         p = row.params
         if p.logprobs is not None:
             logprob_rows.append(i)
-        processed = processed or _penalized(p) or len(row.output_token_ids) < p.min_tokens
+        processed = processed or _penalized(p) or row.num_output_tokens < p.min_tokens
         (greedy_rows if p.greedy else random_rows).append(i)
     if not (logprob_rows or processed or random_rows):
         return _finish(work.argmax(-1) if argmax is None else argmax, finite, [None] * len(rows), work.shape[1])
@@ -144,7 +163,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     if rep:
-        seen = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep]
+        seen = [rows[i].token_ids for i in rep]
         pos, owner = _positions(rep, seen, vocab, logits.device)
         if pos.numel():
             penalty = _dev([rows[i].params.repetition_penalty for i in rep], logits.device, logits.dtype)[owner]
@@ -278,7 +297,7 @@ def probabilities(logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: i
     penalties and min_tokens masking, then argmax (one-hot) for greedy rows or temperature, top-k, top-p and
     min-p. Rows must be finite (the caller checks). The logits are not modified."""
     logits = logits.float().clone()
-    if any(_penalized(r.params) or len(r.output_token_ids) < r.params.min_tokens for r in rows):
+    if any(_penalized(r.params) or r.num_output_tokens < r.params.min_tokens for r in rows):
         logits = _process(logits, rows, eos_token_id)
     probs = torch.zeros_like(logits)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -363,7 +382,7 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], eos_token_i
     vocab = logits.shape[1]
     pos = []
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) < r.params.min_tokens:
+        if r.num_output_tokens < r.params.min_tokens:
             stops = r.params.stop_token_ids + ([] if eos_token_id is None else [eos_token_id])
             pos.extend(i * vocab + t for t in stops if 0 <= t < vocab)
     if pos:

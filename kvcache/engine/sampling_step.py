@@ -51,7 +51,7 @@ class SamplingStep:
             return set()
         # Logits rows: 1 + len(draft) per sampled sequence, in order; a fork samples from its parent's (a prompt's)
         first = list(itertools.accumulate([1 + len(s.draft) for s in sampled], initial=0))
-        row_seqs, row_ids, outputs = [], [], []
+        row_seqs, row_ids, tokens = [], [], []
         drawn = {}  # a sampled draft-model proposal's rows go to the rejection rule, not the plain draw
         for seq, i in zip(seqs, rows):
             if seq.draft and seq.draft_probs is not None:
@@ -60,13 +60,13 @@ class SamplingStep:
             for j in range(1 + len(seq.draft)):  # a speculating sequence: row j verifies draft[j] (draft[:j] before it)
                 row_seqs.append(seq)
                 row_ids.append(first[i] + j)
-                outputs.append(seq.output_token_ids + seq.draft[:j] if seq.draft else None)
+                tokens.append(seq.token_ids + seq.draft[:j] if seq.draft else None)
         batch_logits = logits if row_ids == list(range(logits.shape[0])) else \
             logits.index_select(0, torch.tensor(row_ids, dtype=torch.long).to(logits.device, non_blocking=True))
         # a seeded speculating sequence's generator, before its rows draw (rewound to what its accepted rows drew)
         rewind = {seq.seq_id: seq.generator.get_state() for seq in seqs if seq.draft and seq.generator is not None
                   and not seq.params.greedy and seq.seq_id not in drawn}
-        results = self._sample(row_seqs, batch_logits, outputs) if row_seqs else []
+        results = self._sample(row_seqs, batch_logits, tokens) if row_seqs else []
         for parent, child in forks:
             if parent.is_finished or child.is_finished:  # its request failed
                 continue
@@ -145,8 +145,8 @@ class SamplingStep:
         if not bool(torch.isfinite(logits).all()):
             self._fail(req, "the model produced non-finite logits (NaN or inf) for this sequence")
             return [(-1, None)], 0
-        k, out = len(seq.draft), seq.output_token_ids
-        rows = [SamplingRow(seq.params, None, seq.prompt_token_ids, out + seq.draft[:j]) for j in range(k + 1)]
+        k, n = len(seq.draft), seq.num_prompt_tokens
+        rows = [SamplingRow(seq.params, None, seq.token_ids + seq.draft[:j], n) for j in range(k + 1)]
         try:
             target = probabilities(logits, rows, self._sampler_eos)
             tokens, accepted = rejection_sample(target, seq.draft_probs[:k], seq.draft, seq.generator)
@@ -187,14 +187,14 @@ class SamplingStep:
                     rows.append(i)
         return seqs, rows, forks
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[list[int] | None] | None = None
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[list[int] | None] | None = None
                 ) -> list[tuple[int, dict | None]]:
-        """(token, logprobs) per row: row i is seqs[i]'s, with outputs[i] (when given and not None) as its output
-        so far (a speculating sequence's row after proposed tokens). A row the sampler refuses, or that raises when
+        """(token, logprobs) per row: row i is seqs[i]'s, with tokens[i] (when given and not None) as its tokens so
+        far (a speculating sequence's row after proposed tokens). A row the sampler refuses, or that raises when
         sampled alone after the whole batch raised, fails its request; its pair is then (-1, None)."""
-        outputs = outputs or [None] * len(seqs)
-        rows = [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids if o is None else o)
-                for s, o in zip(seqs, outputs)]
+        tokens = tokens or [None] * len(seqs)
+        rows = [SamplingRow(s.params, s.generator, s.token_ids if t is None else t, s.num_prompt_tokens)
+                for s, t in zip(seqs, tokens)]
         eos = self._sampler_eos
         # A batch that raises is sampled again row by row, each seeded row from where its generator was.
         states = [r.generator.get_state() if r.generator is not None else None for r in rows]

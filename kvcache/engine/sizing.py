@@ -260,7 +260,7 @@ def profile_forward(model: LlamaModel, config: EngineConfig, device: torch.devic
     batch = build_batch(chunks, block, model.windows, device)
     batch.logits_indices = torch.arange(tokens - rows, tokens, device=device)
     logits = model(batch, store).float()
-    sample(logits, [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), None, [], []) for _ in range(rows)])
+    sample(logits, [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), None, [], 0) for _ in range(rows)])
     if not cuda:
         return None
     torch.cuda.synchronize(device)
