@@ -203,6 +203,16 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
     kb = _KiviBuilder(kivi, block_size, sum(len(c.token_ids) for c in chunks)) if kivi else None
     for i, c in enumerate(chunks):
         row, n = len(ids), len(c.token_ids)
+        t_row = table_rows[i] if tables is not None else None
+        if n == 1 and c.start > 0 and c.num_logits == 1 and not kb and not c.capture:  # a decode row (most rows of a busy step): the
+            s, table = c.start, c.block_table  # general path below, without its ranges and generators
+            ids.append(c.token_ids[0])
+            pos.append(s + c.pos_offset)
+            slots.append(table[s // block_size] * block_size + s % block_size)
+            if c.needs_logits:
+                logit_rows.append(row)
+            decodes.append((row, s + 1, table, [], c.layer_start, t_row, 1))
+            continue
         ids.extend(c.token_ids)
         p = range(c.start, c.start + n)
         pos.extend(range(c.start + c.pos_offset, c.start + c.pos_offset + n))
@@ -211,7 +221,6 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         if c.needs_logits:
             logit_rows.extend(range(row + n - c.num_logits, row + n))
         full = kb.add(c, row) if kb else []
-        t_row = table_rows[i] if tables is not None else None
         if (n == 1 or c.as_decodes) and c.start > 0:
             decodes.extend((row + j, c.start + j + 1, c.block_table, full, c.layer_start, t_row, 0 if j else n)
                            for j in range(n))
@@ -219,8 +228,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
             pre.append((c, row, c.start + n, full, t_row))
     if not decode_kernel:  # padded groups gather sequences of similar length together; a kernel needs no order
         decodes.sort(key=lambda d: -d[1])
-    members_of: list[list] = []
-    i = 0
+    members_of: list[list] = [decodes] if decode_kernel and decodes else []
+    i = len(decodes) if decode_kernel else 0
     while i < len(decodes):
         j = i + 1
         while j < len(decodes) and (decode_kernel or decodes[j][1] >= _GROUP_FILL * decodes[i][1]):

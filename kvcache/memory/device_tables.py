@@ -75,21 +75,26 @@ class DeviceBlockTables:
         if longest > self.table.shape[1]:  # before any write is queued: flat indices depend on the width
             self._grow(rows=self.table.shape[0], cols=max(longest, 2 * self.table.shape[1]))
         rows = []
+        width, tables, row_of, valid, extent = self.table.shape[1], kv.block_tables, self.row_of, self._valid, \
+            self._extent
         for s in seq_ids:
-            t = kv.block_tables[s]
-            row = self.row_of.get(s)
+            t = tables[s]
+            n = len(t)
+            row = row_of.get(s)
             if row is None:
-                row = self.row_of[s] = self._take_row()
-                self._valid[s] = 0
-            have = self._valid[s]
-            base = row * self.table.shape[1]
-            if len(t) > have:
-                idx.extend(range(base + have, base + len(t)))
-                vals.extend(t[have:])
-            self._zero(row, len(t), idx, vals)
-            self._extent[row] = len(t)
-            self._valid[s] = len(t)
+                row = row_of[s] = self._take_row()
+                valid[s] = 0
             rows.append(row)
+            have = valid[s]
+            if n == have and extent.get(row, 0) == n:  # unchanged (most rows of a decode step)
+                continue
+            if n > have:
+                base = row * width
+                idx.extend(range(base + have, base + n))
+                vals.extend(t[have:])
+            self._zero(row, n, idx, vals)
+            extent[row] = n
+            valid[s] = n
         if idx:
             idx_dev, vals_dev = upload([idx, vals], self.device)
             self.table.view(-1).index_copy_(0, idx_dev, vals_dev)

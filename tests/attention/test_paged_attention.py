@@ -232,6 +232,28 @@ def test_slot_mapping_follows_block_table():
     assert batch.logits_indices.tolist() == [2, 3]
 
 
+def test_decode_rows_beside_prefill_chunks():
+    """One-token chunks over a cache (decode rows, which build_batch takes on a short path) beside prefill chunks,
+    a row without logits and a row of an evicting sequence (positions = slots + tokens evicted): slots, positions,
+    logits rows and the decode group's rows and lengths, in batch order."""
+    chunks = [SeqChunk([11], 5, [7, 3]), SeqChunk([12, 13], 0, [2]), SeqChunk([14], 8, [4, 6, 1], needs_logits=False),
+              SeqChunk([15], 3, [9], pos_offset=10), SeqChunk([16], 0, [5])]
+    for kernel in (False, True):
+        batch = build_batch(chunks, block_size=4, decode_kernel=kernel)
+        assert batch.input_ids.tolist() == [11, 12, 13, 14, 15, 16]
+        assert batch.slot_mapping.tolist() == [3 * 4 + 1, 2 * 4, 2 * 4 + 1, 1 * 4, 9 * 4 + 3, 5 * 4]
+        assert batch.positions.tolist() == [5, 0, 1, 8, 13, 0]
+        assert batch.logits_indices.tolist() == [0, 2, 4, 5]
+        rows = sorted(r for g in batch.decode_groups for r in g.rows.tolist())
+        lens = {r: n for g in batch.decode_groups for r, n in zip(g.rows.tolist(), g.context_lens.tolist())}
+        assert rows == [0, 3, 4] and lens == {0: 6, 3: 9, 4: 4}
+        assert [(p.start, p.length, p.context_len) for p in batch.prefills] == [(1, 2, 2), (5, 1, 1)]
+    kernel_batch = build_batch(chunks, block_size=4, decode_kernel=True)
+    (group,) = kernel_batch.decode_groups  # one group, in batch order, its tables padded with the null block
+    assert group.rows.tolist() == [0, 3, 4]
+    assert group.block_table.tolist() == [[7, 3, 0], [4, 6, 1], [9, 0, 0]]
+
+
 @pytest.mark.parametrize("split", [cpu_kernel.SPLIT_TOKENS, 16])
 def test_cpu_kernel_runs_of_one_sequence_equal_rows_alone(split):
     """Verification rows of one sequence (SeqChunk.as_decodes: consecutive positions, one block table) are attended
