@@ -216,9 +216,11 @@ class KVCacheManager:
     def allocate(self, seq_id: int, num_tokens: int, prefix: list[int] = ()) -> bool:
         """Grow the table of `seq_id` to cover `num_tokens` tokens, starting a new table from the cached
         `prefix` blocks; False (and no change) if blocks are short."""
+        table = self.block_tables.get(seq_id)
+        if table is not None and len(table) * self.block_size >= num_tokens:  # covered (most decodes)
+            return True
         if self.blocks_needed(seq_id, num_tokens, prefix) > self.num_free_blocks:
             return False
-        table = self.block_tables.get(seq_id)
         if table is None:
             table = self.block_tables[seq_id] = list(prefix)
             held = [b for b in prefix if b != BlockPool.NULL_BLOCK]  # a window_prefix starts with null entries
