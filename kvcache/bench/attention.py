@@ -42,13 +42,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def _store(shape, kv: str, compute: torch.dtype, batch: int, context: int, block_size: int, device, seed: int,
            layers: int = 1):
     """A store of `layers` layers, each holding `batch` sequences of `context` random tokens in shuffled blocks (the
-    same in every layer); their tables."""
+    same in every layer); their tables. A KIVI store (int4, int2) is written as the engine writes a prompt: its keys
+    quantized per channel over each complete group of tokens, so `context` must be a multiple of the group (no key
+    waits in full precision)."""
     import torch
 
+    from kvcache.attention.metadata import KiviLayout, SeqChunk, build_batch
     from kvcache.store.quantized_store import make_store
     per_seq = -(-context // block_size)
     store = make_store(layers, 1 + batch * per_seq, block_size, shape.num_kv_heads, shape.head_dim, kv, compute,
                        device)
+    group = getattr(store, "kivi_group", 0)
+    if group and context % group:
+        raise ValueError(f"--context {context}: {kv} quantizes keys in groups of {group} tokens; give a multiple of "
+                         f"{group} (e.g. {context + group - context % group})")
+    kivi = KiviLayout(group, shape.num_kv_heads * shape.head_dim, store.row_elems) if group else None
     order = list(range(1, 1 + batch * per_seq))
     random.Random(seed).shuffle(order)
     tables = torch.tensor(order, device=device).view(batch, per_seq)
@@ -57,8 +65,10 @@ def _store(shape, kv: str, compute: torch.dtype, batch: int, context: int, block
         slots = (tables[b, :, None] * block_size + torch.arange(block_size, device=device)).flatten()[:context]
         k, v = (torch.randn(context, shape.num_kv_heads, shape.head_dim, generator=g, device=device, dtype=compute)
                 for _ in range(2))
+        plan = build_batch([SeqChunk([0] * context, 0, tables[b].tolist())], block_size, kivi=kivi).kivi \
+            if kivi else None
         for layer in range(layers):
-            store.write(layer, slots, k, v)
+            store.write(layer, slots, k, v, plan)
     return store, tables
 
 
@@ -101,7 +111,10 @@ def _layer_call(backend: str, store, q: torch.Tensor, tables: torch.Tensor, lens
     if backend == "cpu":
         if store.exact:
             return lambda i: cpu_kernel.paged_decode(out, q, store.k[i], store.v[i], tables, lens, scale, None)
-        return lambda i: cpu_kernel.paged_decode_quant(out, q, store, i, tables, lens, scale, None, None)
+        # KIVI: every key is in a complete group (_store), so no position reads a full-precision key
+        full = (torch.zeros(1, store.num_kv_heads, q.shape[2]), torch.zeros(q.shape[0], 1, dtype=torch.long), lens) \
+            if store.kivi_group else None
+        return lambda i: cpu_kernel.paged_decode_quant(out, q, store, i, tables, lens, scale, None, full)
     n = int(lens[0])
     chunks = [SeqChunk([0], n - 1, tables[b].tolist()) for b in range(q.shape[0])]
     batch = build_batch(chunks, store.block_size, (None,), q.device, read_cache=not store.exact)
