@@ -98,6 +98,19 @@ def test_cpu_kernel_decodes_quantized_blocks(dtype, splits):
     torch.testing.assert_close(out, _reference(q, k, v, dtype), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2"])
+@pytest.mark.parametrize("head_dim", [24, 48])
+def test_cpu_kernel_decodes_other_head_sizes(dtype, head_dim, monkeypatch):
+    """The kernel decodes a head 16 codes at a time where its size is a multiple of 16 (48: KIVI's value groups of
+    48 too), one at a time otherwise (24): both give the dense reference's answers."""
+    assert cpu_kernel.load() is not None
+    monkeypatch.setitem(globals(), "D", head_dim)  # _data, _run and _reference read the module's head size
+    q, k, v = _data(100, seed=3)
+    bs = 64 if dtype in ("int4", "int2") else 16
+    out = _run(q, k, v, dtype, [37] + [1] * 63, bs, kernel=True)
+    torch.testing.assert_close(out, _reference(q, k, v, dtype), atol=1e-4, rtol=1e-4)
+
+
 def test_cpu_kernel_decodes_a_batch_of_quantized_sequences():
     """Several sequences of different lengths and group phases in one kernel call (padded full-key rows)."""
     assert cpu_kernel.load() is not None
