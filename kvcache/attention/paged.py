@@ -126,7 +126,8 @@ def _prefill_kernel(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """Attend prefill chunk `p` with the C++ causal kernel (cpu_kernel.prefill_attention, 1.5-2x SDPA's CPU
     kernel on the demo's heads) where it applies, and say whether it did: the cpu backend in float32 with head sizes
     a multiple of 32, no soft-cap, and a plain causal mask (a fresh prompt with no window inside it, or a chunk over
-    an exact store's cached prefix with none inside its context)."""
+    the store's cached prefix with none inside its context: an exact store's blocks, or a per-token quantized store's
+    dequantized, as every chunk over a lossy store reads them; KIVI's own-group keys need its mask)."""
     D = q.shape[2]
     if (batch.backend != "cpu" or q.device.type != "cpu" or q.dtype != torch.float32 or softcap is not None
             or D % 32 or cpu_kernel.load() is None):
@@ -136,7 +137,8 @@ def _prefill_kernel(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             return False
         ks, vs = k[p.start:p.start + p.length], v[p.start:p.start + p.length]
     else:
-        if not store.exact or p.full_src is not None or (window is not None and window < p.context_len):
+        if (p.full_src is not None or getattr(store, "kivi_group", 0) or getattr(store, "latent", False)
+                or (window is not None and window < p.context_len)):
             return False
         ks, vs = gather_blocks(store, layer, p.block_ids, ws, k)
         ks, vs = ks.flatten(0, 1)[:p.context_len], vs.flatten(0, 1)[:p.context_len]

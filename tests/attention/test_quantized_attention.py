@@ -78,6 +78,23 @@ def test_chunked_attention_matches_the_dense_reference(dtype, splits):
     torch.testing.assert_close(out, _reference(q, k, v, dtype), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("splits", [[150], [64, 86], [37, 1, 1, 50, 61]])
+def test_prefill_chunks_over_per_token_quantized_blocks_take_the_cpu_kernel(dtype, splits, monkeypatch):
+    """A prefill chunk over a per-token quantized store reads its whole context dequantized with a plain causal mask:
+    at a head size the C++ causal kernel takes (a multiple of 32) it attends there, not through SDPA and a mask, with
+    the dense reference's answers."""
+    assert cpu_kernel.load() is not None
+    monkeypatch.setitem(globals(), "D", 32)
+    calls = []
+    real = cpu_kernel.prefill_attention
+    monkeypatch.setattr(cpu_kernel, "prefill_attention", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    q, k, v = _data(sum(splits), seed=4)
+    out = _run(q, k, v, dtype, splits, 16)
+    assert sorted(calls) == sorted(n for n in splits if n > 1)  # every chunk of more than one token
+    torch.testing.assert_close(out, _reference(q, k, v, dtype), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "cpu-kernel"])
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_sliding_window_over_quantized_blocks(dtype, kernel):
