@@ -204,8 +204,9 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
     for i, c in enumerate(chunks):
         row, n = len(ids), len(c.token_ids)
         t_row = table_rows[i] if tables is not None else None
-        if n == 1 and c.start > 0 and c.num_logits == 1 and not kb and not c.capture:  # a decode row (most rows of a busy step): the
-            s, table = c.start, c.block_table  # general path below, without its ranges and generators
+        if n == 1 and c.start > 0 and c.num_logits == 1 and not kb and not c.capture:
+            # a decode row (most rows of a busy step): the general path below without its ranges and generators
+            s, table = c.start, c.block_table
             ids.append(c.token_ids[0])
             pos.append(s + c.pos_offset)
             slots.append(table[s // block_size] * block_size + s % block_size)

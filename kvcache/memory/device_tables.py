@@ -75,8 +75,8 @@ class DeviceBlockTables:
         if longest > self.table.shape[1]:  # before any write is queued: flat indices depend on the width
             self._grow(rows=self.table.shape[0], cols=max(longest, 2 * self.table.shape[1]))
         rows = []
-        width, tables, row_of, valid, extent = self.table.shape[1], kv.block_tables, self.row_of, self._valid, \
-            self._extent
+        width, tables, row_of = self.table.shape[1], kv.block_tables, self.row_of
+        valid, extent = self._valid, self._extent
         for s in seq_ids:
             t = tables[s]
             n = len(t)
