@@ -128,6 +128,9 @@ class _KiviBuilder:
 
     def __init__(self, layout: KiviLayout, block_size: int, num_rows: int) -> None:
         self.l, self.bs, self.num_rows = layout, block_size, num_rows
+        # Residual keys are addressed by whole tokens where no token straddles two private blocks (a block's fp16
+        # elements a multiple of a token's): one gathered row per token instead of one index per element
+        self.unit = layout.token_elems if layout.row_elems % layout.token_elems == 0 else 1
         self.resid_read: list[torch.Tensor] = []
         self.num_read = 0
         self.group_src: list[int] = []
@@ -137,11 +140,14 @@ class _KiviBuilder:
         self.resid_write: list[torch.Tensor] = []
 
     def _elems(self, private: list[int], slots: range) -> torch.Tensor:
-        """fp16 element indices of residual token slots `slots` in a sequence's private blocks."""
-        e = self.l.token_elems
+        """Indices, in units of `self.unit` fp16 elements, of residual token slots `slots` in a sequence's private
+        blocks: each token's row where a unit is a token, else each of its elements."""
+        e, r = self.l.token_elems, self.l.row_elems
+        if self.unit == e:
+            return torch.tensor([(private[i * e // r] * r + i * e % r) // e for i in slots], dtype=torch.long)
         flat = torch.arange(slots.start * e, slots.stop * e)
-        rows = torch.tensor(private)[flat // self.l.row_elems]
-        return rows * self.l.row_elems + flat % self.l.row_elems
+        rows = torch.tensor(private)[flat // r]
+        return rows * r + flat % r
 
     def add(self, c: SeqChunk, row: int) -> list[int]:
         """Plan chunk `c` (batch rows from `row`); returns the src rows of positions [full_start, end)."""
@@ -171,7 +177,7 @@ class _KiviBuilder:
         cat = lambda ts: torch.cat(ts).to(device) if ts else long([])  # noqa: E731
         return KiviPlan(cat(self.resid_read), long(self.group_src), long([b for b, _ in self.group_slots]),
                         long([o for _, o in self.group_slots]), long([b for b, _ in self.scales]),
-                        long([i for _, i in self.scales]), long(self.resid_rows), cat(self.resid_write))
+                        long([i for _, i in self.scales]), long(self.resid_rows), cat(self.resid_write), self.unit)
 
 
 def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | None, ...] = (None,),

@@ -36,14 +36,17 @@ class KiviPlan:
     residual keys it reads (`resid_read`). Indices named `src` point into that concatenation.
     """
 
-    resid_read: torch.Tensor  # [R * E] fp16 element indices of the R residual tokens read (E = kv_heads x head_dim)
+    resid_read: torch.Tensor  # [R * E / resid_unit] indices of the R residual tokens read (E = kv_heads x head_dim)
     group_src: torch.Tensor  # [NG * 64] src rows of the groups this step completes, in token order
     group_blocks: torch.Tensor  # [NG * 64] block of each of those tokens
     group_offsets: torch.Tensor  # [NG * 64] offset in the block
     scale_blocks: torch.Tensor  # [NG] block holding each group
     scale_groups: torch.Tensor  # [NG] group index inside that block
     resid_rows: torch.Tensor  # [W] rows of k kept in the residual (their group is not complete)
-    resid_write: torch.Tensor  # [W * E] fp16 element indices they go to
+    resid_write: torch.Tensor  # [W * E / resid_unit] indices they go to
+    # the residual indices count in units of this many fp16 elements of a layer's flat16: E (a token's row) where no
+    # token straddles two private blocks, else 1
+    resid_unit: int = 1
 
 
 def check_latent_format(dtype: str) -> None:
@@ -158,8 +161,9 @@ class QuantizedKVStore:
             p["ks"][plan.scale_blocks, plan.scale_groups] = qk.scale
             p["kz"][plan.scale_blocks, plan.scale_groups] = qk.zero
         if plan.resid_rows.numel():
-            self.flat16[layer].index_copy_(0, plan.resid_write,
-                                           k.index_select(0, plan.resid_rows).to(torch.float16).flatten())
+            u = plan.resid_unit
+            self.flat16[layer].view(-1, u).index_copy_(0, plan.resid_write,
+                                                       k.index_select(0, plan.resid_rows).to(torch.float16).view(-1, u))
         return src
 
     def key_source(self, layer: int, k: torch.Tensor, plan: KiviPlan) -> torch.Tensor:
@@ -168,7 +172,8 @@ class QuantizedKVStore:
         written this step or an earlier one (outputs do not depend on chunking)."""
         k16 = k.to(torch.float16)
         if plan.resid_read.numel():
-            k16 = torch.cat([k16, self.flat16[layer].index_select(0, plan.resid_read).view(-1, *k.shape[1:])])
+            read = self.flat16[layer].view(-1, plan.resid_unit).index_select(0, plan.resid_read)
+            k16 = torch.cat([k16, read.view(-1, *k.shape[1:])])
         return k16.to(k.dtype)
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

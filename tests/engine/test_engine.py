@@ -469,7 +469,7 @@ def _spy_shared_writes(eng) -> list:
             refs = eng.kv.pool.ref_counts
             blocks = [slot // store.block_size for slot in slot_mapping.tolist()]
             if plan is not None:  # KIVI: key groups quantized into blocks, residual keys into private blocks
-                blocks += plan.group_blocks.tolist() + (plan.resid_write // store.row_elems).tolist()
+                blocks += plan.group_blocks.tolist() + (plan.resid_write * plan.resid_unit // store.row_elems).tolist()
             for block in blocks:
                 if refs[block] != 1:
                     store._violations.append((block, refs[block]))
