@@ -101,7 +101,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
             triton_attention().paged_prefill(out, q_rows, store, layer, p.block_ids, p.start, p.length, p.context_len,
                                              scale, window, softcap)
             continue
-        if _prefill_kernel(out, q, k, v, store, layer, p, batch, scale, window, softcap, ws):
+        if _prefill_kernel(out, q, k, v, store, layer, p, batch, scale, window, softcap, ws, src):
             continue
         qs = q[p.start:p.start + p.length].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if p.block_ids is None:
@@ -122,12 +122,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
 
 
 def _prefill_kernel(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, layer: int, p,
-                    batch: ForwardBatch, scale: float, window: int | None, softcap: float | None, ws: Workspace) -> bool:
+                    batch: ForwardBatch, scale: float, window: int | None, softcap: float | None, ws: Workspace,
+                    src: torch.Tensor | None = None) -> bool:
     """Attend prefill chunk `p` with the C++ causal kernel (cpu_kernel.prefill_attention, 1.5-2x SDPA's CPU
     kernel on the demo's heads) where it applies, and say whether it did: the cpu backend in float32 with head sizes
-    a multiple of 32, no soft-cap, and a plain causal mask (a fresh prompt with no window inside it, or a chunk over
-    the store's cached prefix with none inside its context: an exact store's blocks, or a per-token quantized store's
-    dequantized, as every chunk over a lossy store reads them; KIVI's own-group keys need its mask)."""
+    a multiple of 32, no soft-cap, no window inside the context, and either a fresh prompt (its own K/V) or a chunk
+    over the store's blocks: an exact store's, a per-token quantized store's dequantized (as every chunk over a lossy
+    store reads them), or KIVI's (`_kivi_prefill`)."""
     D = q.shape[2]
     if (batch.backend != "cpu" or q.device.type != "cpu" or q.dtype != torch.float32 or softcap is not None
             or D % 32 or cpu_kernel.load() is None):
@@ -137,14 +138,30 @@ def _prefill_kernel(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             return False
         ks, vs = k[p.start:p.start + p.length], v[p.start:p.start + p.length]
     else:
-        if (p.full_src is not None or getattr(store, "kivi_group", 0) or getattr(store, "latent", False)
-                or (window is not None and window < p.context_len)):
+        if getattr(store, "latent", False) or (window is not None and window < p.context_len):
             return False
         ks, vs = gather_blocks(store, layer, p.block_ids, ws, k)
         ks, vs = ks.flatten(0, 1)[:p.context_len], vs.flatten(0, 1)[:p.context_len]
         if ks.dtype != torch.float32:
             return False
+        if p.full_src is not None:
+            return _kivi_prefill(out, q, ks, vs, src.index_select(0, p.full_src), p, store.kivi_group, scale)
     cpu_kernel.prefill_attention(out[p.start:p.start + p.length], q[p.start:p.start + p.length], ks, vs, scale)
+    return True
+
+
+def _kivi_prefill(out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, full: torch.Tensor, p,
+                  group: int, scale: float) -> bool:
+    """KIVI's prefill attention with the causal kernel, one key group of queries at a time: a query attends to the
+    dequantized keys of the groups before its own and to the full-precision (fp16) keys of its own group's positions
+    up to its own; values dequantized throughout. `ks`, `vs` [context, KVH, D] as the blocks hold them (a group not
+    yet complete holds stale keys, never read here); `full` the fp16 keys of positions [p.full_start, context)."""
+    ctx, first = p.context_len, p.context_len - p.length
+    for g0 in range(first - first % group, ctx, group):
+        a, b = max(first, g0), min(ctx, g0 + group)
+        keys = torch.cat([ks[:g0], full[g0 - p.full_start:b - p.full_start]])
+        rows = slice(p.start + a - first, p.start + b - first)
+        cpu_kernel.prefill_attention(out[rows], q[rows], keys, vs[:b], scale)
     return True
 
 

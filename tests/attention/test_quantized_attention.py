@@ -78,20 +78,48 @@ def test_chunked_attention_matches_the_dense_reference(dtype, splits):
     torch.testing.assert_close(out, _reference(q, k, v, dtype), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("splits", [[150], [64, 86], [37, 1, 1, 50, 61]])
-def test_prefill_chunks_over_per_token_quantized_blocks_take_the_cpu_kernel(dtype, splits, monkeypatch):
-    """A prefill chunk over a per-token quantized store reads its whole context dequantized with a plain causal mask:
-    at a head size the C++ causal kernel takes (a multiple of 32) it attends there, not through SDPA and a mask, with
-    the dense reference's answers."""
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "cpu-kernel"])
+@pytest.mark.parametrize("dtype", ["int4", "int2"])
+def test_kivi_residual_keys_by_token_or_by_element(dtype, kernel, monkeypatch):
+    """The plan addresses residual keys by whole tokens where no token straddles two private blocks (this layout),
+    else by fp16 element: both give the dense reference's answers."""
+    from kvcache.attention import metadata
+    assert QuantizedKVStore(1, 4, 64, KVH, D, dtype).row_elems % (KVH * D) == 0  # no token straddles here
+    splits = [37, 1, 1, 50] + [1] * 61
+    q, k, v = _data(sum(splits), seed=5)
+    outs = {}
+    for unit in ("token", "element"):
+        if unit == "element":
+            init = metadata._KiviBuilder.__init__
+
+            def by_element(self, *a):
+                init(self, *a)
+                self.unit = 1
+            monkeypatch.setattr(metadata._KiviBuilder, "__init__", by_element)
+        outs[unit] = _run(q, k, v, dtype, splits, 64, kernel=kernel)
+        torch.testing.assert_close(outs[unit], _reference(q, k, v, dtype), atol=1e-4, rtol=1e-4)
+    assert torch.equal(outs["token"], outs["element"])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2"])
+@pytest.mark.parametrize("splits", [[150], [64, 86], [37, 1, 1, 50, 61], [70, 1, 100]])
+def test_prefill_chunks_over_quantized_blocks_take_the_cpu_kernel(dtype, splits, monkeypatch):
+    """A prefill chunk over a quantized store reads its context dequantized: with a plain causal mask (int8, fp8), or
+    (KIVI) the fp16 keys of each query's own group after the dequantized groups before it, one group of queries at a
+    time. At a head size the C++ causal kernel takes (a multiple of 32) every query row of such a chunk is attended
+    there, not through SDPA and a mask, with the dense reference's answers."""
     assert cpu_kernel.load() is not None
     monkeypatch.setitem(globals(), "D", 32)
     calls = []
     real = cpu_kernel.prefill_attention
     monkeypatch.setattr(cpu_kernel, "prefill_attention", lambda *a: calls.append(a[1].shape[0]) or real(*a))
     q, k, v = _data(sum(splits), seed=4)
-    out = _run(q, k, v, dtype, splits, 16)
-    assert sorted(calls) == sorted(n for n in splits if n > 1)  # every chunk of more than one token
+    kivi = dtype in ("int4", "int2")
+    out = _run(q, k, v, dtype, splits, 64 if kivi else 16)
+    assert sum(calls) == sum(n for n in splits if n > 1)  # every query row of a chunk of more than one token
+    if kivi:  # one call per 64-token group a chunk's queries fall in
+        starts = [sum(splits[:i]) for i in range(len(splits))]
+        assert len(calls) == sum(len(range(s - s % 64, s + n, 64)) for s, n in zip(starts, splits) if n > 1)
     torch.testing.assert_close(out, _reference(q, k, v, dtype), atol=1e-4, rtol=1e-4)
 
 
