@@ -32,7 +32,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=None, help="tokens of context each (default 4096 on CUDA, 1024 on CPU)")
     p.add_argument("--kv-cache-dtype", default=None, help="KV storage format, comma-separated for several "
                    "(default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block (default 16; 64 where a format is int4/int2, as the engine picks)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--backends", default=None, help="comma-separated (default: triton,torch on CUDA; cpu,torch on CPU)")
     p.add_argument("--seconds", type=float, default=2.0, help="timing budget per backend and format")
@@ -53,9 +54,6 @@ def _store(shape, kv: str, compute: torch.dtype, batch: int, context: int, block
     store = make_store(layers, 1 + batch * per_seq, block_size, shape.num_kv_heads, shape.head_dim, kv, compute,
                        device)
     group = getattr(store, "kivi_group", 0)
-    if group and context % group:
-        raise ValueError(f"--context {context}: {kv} quantizes keys in groups of {group} tokens; give a multiple of "
-                         f"{group} (e.g. {context + group - context % group})")
     kivi = KiviLayout(group, shape.num_kv_heads * shape.head_dim, store.row_elems) if group else None
     order = list(range(1, 1 + batch * per_seq))
     random.Random(seed).shuffle(order)
@@ -129,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvcache.attention.backend import resolve_backend
     from kvcache.bench.roofline import measure_bandwidth_gbs
-    from kvcache.plan.kv_bytes import kv_dtype, layer_bytes_per_token
+    from kvcache.plan.kv_bytes import default_block_size, kv_dtype, layer_bytes_per_token
     from kvcache.plan.model_source import load_model_shape
     shape = load_model_shape(args.model)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -139,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch and --context must be positive, got {batch} and {context}")
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     formats = (args.kv_cache_dtype or str(compute).removeprefix("torch.")).split(",")
+    block_size = args.block_size or max(default_block_size(kv_dtype(kv).name) for kv in formats)  # one for all rows
+    for spec in map(kv_dtype, formats):  # before anything is measured
+        if spec.scales == "kivi" and context % spec.group:
+            raise ValueError(f"--context {context}: {spec.name} quantizes keys in groups of {spec.group} tokens; give "
+                             f"a multiple of {spec.group} (e.g. {context + spec.group - context % spec.group})")
     backends = (args.backends or ("triton,torch" if device.type == "cuda" else "cpu,torch")).split(",")
     bandwidth = measure_bandwidth_gbs(device=device)
     H, D = shape.num_attention_heads, shape.head_dim
@@ -147,12 +150,12 @@ def run(args: argparse.Namespace) -> int:
         kv = kv_dtype(kv).name
         nbytes = batch * context * layer_bytes_per_token(shape, kv, "full")
         layers = min(MAX_LAYERS, -(-COLD_BYTES // nbytes))
-        store, tables = _store(shape, kv, compute, batch, context, args.block_size, device, seed=0, layers=layers)
+        store, tables = _store(shape, kv, compute, batch, context, block_size, device, seed=0, layers=layers)
         q = torch.randn(batch, H, D, device=device, dtype=compute)
         lens = torch.full((batch,), context, device=device)
         times = {}
         for backend in backends:
-            resolve_backend(backend, device, compute, kv, args.block_size)  # refuses what cannot run here
+            resolve_backend(backend, device, compute, kv, block_size)  # refuses what cannot run here
             times[backend] = _time(_decode_call(backend, store, layers, q, tables, lens, D ** -0.5), args.seconds,
                                    device)
         base = times.get("torch")
@@ -165,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         del store
     result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "torch": torch.__version__, "model": shape.name, "heads": H, "kv_heads": shape.num_kv_heads, "head_dim": D,
-              "batch": batch, "context": context, "block_size": args.block_size,
+              "batch": batch, "context": context, "block_size": block_size,
               "compute_dtype": str(compute).removeprefix("torch."), "bandwidth_gbs": bandwidth, "results": rows}
     _print(result)
     if args.json:
