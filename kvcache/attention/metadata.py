@@ -233,16 +233,17 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
                            for j in range(n))
         else:
             pre.append((c, row, c.start + n, full, t_row))
-    if not decode_kernel:  # padded groups gather sequences of similar length together; a kernel needs no order
+    if decode_kernel:  # one group in batch order: the kernel walks each row's own table
+        members_of: list[list] = [decodes] if decodes else []
+    else:  # padded groups gather sequences of similar length together
         decodes.sort(key=lambda d: -d[1])
-    members_of: list[list] = [decodes] if decode_kernel and decodes else []
-    i = len(decodes) if decode_kernel else 0
-    while i < len(decodes):
-        j = i + 1
-        while j < len(decodes) and (decode_kernel or decodes[j][1] >= _GROUP_FILL * decodes[i][1]):
-            j += 1
-        members_of.append(decodes[i:j])
-        i = j
+        members_of, i = [], 0
+        while i < len(decodes):
+            j = i + 1
+            while j < len(decodes) and decodes[j][1] >= _GROUP_FILL * decodes[i][1]:
+                j += 1
+            members_of.append(decodes[i:j])
+            i = j
 
     # Every integer list of the step, in one upload; then the tensors are views of it.
     parts: list[list[int]] = [ids, pos, slots, logit_rows, capture]

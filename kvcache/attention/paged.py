@@ -127,8 +127,8 @@ def _prefill_kernel(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """Attend prefill chunk `p` with the C++ causal kernel (cpu_kernel.prefill_attention, 1.5-2x SDPA's CPU
     kernel on the demo's heads) where it applies, and say whether it did: the cpu backend in float32 with head sizes
     a multiple of 32, no soft-cap, no window inside the context, and either a fresh prompt (its own K/V) or a chunk
-    over the store's blocks: an exact store's, a per-token quantized store's dequantized (as every chunk over a lossy
-    store reads them), or KIVI's (`_kivi_prefill`)."""
+    over the store's blocks: an exact store's (an MLA latent's too), a per-token quantized store's dequantized (as
+    every chunk over a lossy store reads them), or KIVI's (`_kivi_prefill`)."""
     D = q.shape[2]
     if (batch.backend != "cpu" or q.device.type != "cpu" or q.dtype != torch.float32 or softcap is not None
             or D % 32 or cpu_kernel.load() is None):
@@ -138,20 +138,21 @@ def _prefill_kernel(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             return False
         ks, vs = k[p.start:p.start + p.length], v[p.start:p.start + p.length]
     else:
-        if getattr(store, "latent", False) or (window is not None and window < p.context_len):
-            return False
+        if (window is not None and window < p.context_len) or (store.latent and not store.exact):
+            return False  # a quantized MLA latent keeps SDPA: no test covers it at a head size the kernel takes
         ks, vs = gather_blocks(store, layer, p.block_ids, ws, k)
         ks, vs = ks.flatten(0, 1)[:p.context_len], vs.flatten(0, 1)[:p.context_len]
         if ks.dtype != torch.float32:
             return False
         if p.full_src is not None:
-            return _kivi_prefill(out, q, ks, vs, src.index_select(0, p.full_src), p, store.kivi_group, scale)
+            _kivi_prefill(out, q, ks, vs, src.index_select(0, p.full_src), p, store.kivi_group, scale)
+            return True
     cpu_kernel.prefill_attention(out[p.start:p.start + p.length], q[p.start:p.start + p.length], ks, vs, scale)
     return True
 
 
 def _kivi_prefill(out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, full: torch.Tensor, p,
-                  group: int, scale: float) -> bool:
+                  group: int, scale: float) -> None:
     """KIVI's prefill attention with the causal kernel, one key group of queries at a time: a query attends to the
     dequantized keys of the groups before its own and to the full-precision (fp16) keys of its own group's positions
     up to its own; values dequantized throughout. `ks`, `vs` [context, KVH, D] as the blocks hold them (a group not
@@ -162,7 +163,6 @@ def _kivi_prefill(out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torc
         keys = torch.cat([ks[:g0], full[g0 - p.full_start:b - p.full_start]])
         rows = slice(p.start + a - first, p.start + b - first)
         cpu_kernel.prefill_attention(out[rows], q[rows], keys, vs[:b], scale)
-    return True
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

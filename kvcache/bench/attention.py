@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch and --context must be positive, got {batch} and {context}")
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     formats = (args.kv_cache_dtype or str(compute).removeprefix("torch.")).split(",")
-    block_size = args.block_size or max(default_block_size(kv_dtype(kv).name) for kv in formats)  # one for all rows
+    block_size = args.block_size or max(map(default_block_size, formats))  # one for all rows
     for spec in map(kv_dtype, formats):  # before anything is measured
         if spec.scales == "kivi" and context % spec.group:
             raise ValueError(f"--context {context}: {spec.name} quantizes keys in groups of {spec.group} tokens; give "

@@ -41,11 +41,6 @@ class SamplingRow:
     token_ids: list[int]  # the prompt, then the output so far
     num_prompt_tokens: int
 
-    @classmethod
-    def of(cls, params: SamplingParams, generator: torch.Generator | None, prompt: list[int],
-           output: list[int]) -> SamplingRow:
-        return cls(params, generator, [*prompt, *output], len(prompt))
-
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[:self.num_prompt_tokens]

@@ -11,7 +11,7 @@ from kvcache.models import cpu_kernels
 
 def row(prompt=(), output=(), seed=None, **kw) -> SamplingRow:
     gen = None if seed is None else torch.Generator().manual_seed(seed)
-    return SamplingRow.of(SamplingParams(seed=seed, **kw), gen, list(prompt), list(output))
+    return SamplingRow(SamplingParams(seed=seed, **kw), gen, [*prompt, *output], len(prompt))
 
 
 def draw(logits, rows, **kw):
