@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -268,9 +269,9 @@ _FIELDS = set(SamplingParams.__dataclass_fields__) | {"cache_salt", "prompt", "k
 
 
 def _param_of(message: str) -> str | None:
-    """The request field an engine error names ('temperature must be ...' -> 'temperature'), if any."""
-    word = message.split(" ", 1)[0]
-    return word if word in _FIELDS else None
+    """The request field an engine error names first ('temperature must be ...' -> 'temperature', 'the prompt is
+    empty' -> 'prompt', 'request needs 19 KV blocks ...; ... lower max_tokens' -> 'max_tokens'), if any."""
+    return next((w for w in re.findall(r"[a-z_]+", message.split(": ", 1)[0]) if w in _FIELDS), None)
 
 
 def chat_prompt(tokenizer, messages, add_generation_prompt: bool) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvcache.compress.spec import EvictionSpec, parse_budget
 from kvcache.engine.sampling_params import SamplingParams
@@ -41,6 +41,17 @@ class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
     model_config = _LENIENT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """An explicit null in a field that has a default means that default (OpenAI's schema makes n, stream,
+        the penalties, echo and logprobs nullable, and vLLM and OpenAI answer such requests); a required field
+        (prompt, messages) that is null is still refused."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        return data
 
     model: str | None = None
     max_tokens: int | None = None

@@ -102,3 +102,45 @@ def test_nested_json_and_chunked_bodies(odd):
     r = httpx.post(f"{odd.url}/v1/completions", content=chunks(), headers=H)
     assert r.status_code == 413
     _assert_alive_and_idle(odd)
+
+
+@pytest.mark.parametrize("field", ["n", "stream", "presence_penalty", "frequency_penalty", "echo", "temperature",
+                                   "max_tokens", "stop", "seed"])
+def test_an_explicit_null_means_the_default(odd, field):
+    """OpenAI's schema makes these nullable, and clients send null for options they leave unset."""
+    r = _post(odd, {"prompt": "w8 w9", "max_tokens": 2, "ignore_eos": True, field: None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] == (16 if field == "max_tokens"
+                                                                                        else 2)
+
+
+def test_null_in_a_required_field_or_a_chat_field():
+    from pydantic import ValidationError
+
+    from kvcache.server.protocol import ChatCompletionRequest, CompletionRequest
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": None,
+                                                 "n": None, "stream": None, "min_p": None})
+    assert (chat.logprobs, chat.n, chat.stream, chat.min_p) == (False, 1, False, 0.0)
+    for body in ({"prompt": None}, {"messages": None}):
+        with pytest.raises(ValidationError):
+            (CompletionRequest if "prompt" in body else ChatCompletionRequest).model_validate(body)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": "w8 " * 9000, "max_tokens": 1}, "prompt"),  # above max_model_len
+    ({"prompt": "w8", "max_tokens": 10**6}, "max_tokens"),
+    ({"prompt": "w8", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+])
+def test_a_refusal_names_the_field(odd, body, param):
+    r = _post(odd, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_pool_refusal_names_max_tokens():
+    """The engine's message for a request larger than the whole pool (tests/engine/test_engine.py makes it)."""
+    from kvcache.server.app import _param_of
+    assert _param_of("request needs 19 KV blocks (300 tokens) but the whole pool has 16; raise --kv-cache-memory "
+                     "or lower max_tokens") == "max_tokens"
+    assert _param_of("the prompt cannot be tokenized: TypeError: n must be") == "prompt"
