@@ -113,13 +113,15 @@ def sampling_params(args: argparse.Namespace):
 
 
 def print_kv_summary(engine, out=None) -> None:
+    from kvcache.plan.kv_bytes import pool_tokens
+    from kvcache.plan.report import human
     out = out or sys.stdout
     info = engine.kv_cache_info()
     st = engine.stats
     print("\n--- KV cache ---", file=out)
     print(f"per token : {info['formula']}", file=out)
-    print(f"pool      : {info['num_blocks']:,} blocks x {info['block_size']} tokens = {info['num_tokens']:,} tokens, "
-          f"{info['total_bytes'] / 2**30:.2f} GiB ({info['dtype']})", file=out)
+    print(f"pool      : {pool_tokens(info['num_blocks'], info['block_size'], info['layers_per_block'], info['kv_layers'])}, "
+          f"{human(info['total_bytes'])} ({info['dtype']})", file=out)
     if info["seq_blocks"]:
         print(f"residual  : {info['residual_bytes_per_seq']:,} bytes of fp16 keys per request (their 64-token group "
               f"is not complete yet), held in {info['seq_blocks']} pool blocks per request", file=out)
@@ -256,7 +258,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="concurrent requests (B)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per request (L); default: the model's context")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the weights' dtype), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8, int4, int2")
+                   help="auto (the weights' dtype, --dtype; bfloat16 for float32 checkpoints), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8, int4, int2")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="print JSON instead of text, or write it to PATH")
     p.add_argument("--gpu", default=None, help="GPU preset (see --list)")
@@ -279,7 +281,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from kvcache.config import parse_bytes
     from kvcache.plan.capacity import plan_device, weight_dtype
-    from kvcache.plan.kv_bytes import default_block_size, heads_per_gpu
+    from kvcache.plan.kv_bytes import check_latent_format, default_block_size, heads_per_gpu
     from kvcache.plan.model_source import demo_model_path, load_model_shape
     from kvcache.plan.presets import GPU_PRESETS, MODEL_PRESETS
     from kvcache.plan.report import build_report, format_report, human
@@ -292,16 +294,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for name, mem in GPU_PRESETS.items():
             print(f"  {name:<20} {mem:>18,} bytes ({human(mem)})")
         return 0
-    for name in ("batch", "seq_len", "num_gpus", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+    for name in ("batch", "seq_len", "num_gpus", "tensor_parallel_size", "block_size", "max_num_seqs",
+                 "max_num_batched_tokens", "num_parameters"):
         v = getattr(args, name)
         if v is not None and v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v:g}")
     if args.gpu is not None and args.gpu not in GPU_PRESETS:
         raise ValueError(f"unknown GPU {args.gpu!r}; presets: {', '.join(GPU_PRESETS)} (or give --memory BYTES)")
+    if args.gpu is not None and args.memory is not None:
+        raise ValueError(f"give one of --gpu ({args.gpu}: {GPU_PRESETS[args.gpu]:,} bytes) and --memory "
+                         f"({args.memory}), not both")
     shape = load_model_shape(args.model or demo_model_path())
     if args.num_parameters is not None:
         shape = dataclasses.replace(shape, num_parameters=int(args.num_parameters))
-    kv = weight_dtype("auto", shape) if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    if args.kv_cache_dtype != "auto":
+        kv = args.kv_cache_dtype
+    else:  # the compute dtype: float weights' own, else (fp8, int8, int4 weights) the checkpoint's float dtype
+        kv = weight_dtype(args.dtype if args.dtype in ("float32", "bfloat16", "float16") else "auto", shape)
+    if shape.attention_kind == "MLA":
+        check_latent_format(kv)  # as the engine refuses it
     block_size = args.block_size or default_block_size(kv)
     seq_len = args.seq_len or shape.max_position_embeddings or 4096
     tp = args.tensor_parallel_size or args.num_gpus

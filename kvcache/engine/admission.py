@@ -77,7 +77,8 @@ class RequestAdmission:
             if bad:
                 raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {describe(bad[:5])}")
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise ValueError("the prompt is empty" if not text else f"the prompt ({len(text):,} characters) tokenizes "
+                             "to no tokens with this model's tokenizer")
         return text, ids
 
     def _check_lengths(self, n_prompt: int, params: SamplingParams) -> int:

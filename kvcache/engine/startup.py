@@ -36,7 +36,8 @@ from kvcache.messages import describe
 from kvcache.models.llama import layer_windows
 from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
 from kvcache.offload.offloader import make_offloader, offload_tiers
-from kvcache.plan.kv_bytes import KV_DTYPES, check_kv_format, kv_formula
+from kvcache.plan.kv_bytes import KV_DTYPES, check_kv_format, kv_formula, pool_tokens
+from kvcache.plan.report import human
 from kvcache.plan.shape import shape_from_config
 from kvcache.store.quantized_store import check_latent_format, make_store
 
@@ -201,9 +202,10 @@ class EngineStartup:
                  self.model.weight_bytes / 2**30, str(self.dtype).removeprefix("torch.") + (
                      f" with {config.quantization} linear layers" if config.quantization != "none" else ""), self.device, self.backend,
                  why, self.budget)
-        log.info("KV cache (%s): %s blocks x %d tokens = %s tokens, %.2f GiB (%s)%s; maximum concurrency for %s "
-                 "tokens per request: %.2fx", self.kv_dtype, f"{c.num_blocks:,}", c.block_size, f"{c.num_tokens:,}",
-                 c.total_bytes / 2**30, self._kv_formula(),
+        layers = sum(k != "linear" for k in self.shape.layer_kinds)
+        log.info("KV cache (%s): %s, %s (%s)%s; maximum concurrency for %s tokens per request: %.2fx", self.kv_dtype,
+                 pool_tokens(c.num_blocks, c.block_size, c.layers_per_block, layers), human(c.total_bytes),
+                 self._kv_formula(),
                  f"; plus {c.seq_blocks} blocks per request for its fp16 key residual" if c.seq_blocks else "",
                  f"{c.max_model_len:,}", c.max_concurrency)
 

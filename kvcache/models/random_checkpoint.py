@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 
 def write_tokenizer(directory: str, vocab_size: int) -> None:
-    """A word-level tokenizer over a vocabulary of `vocab_size` ids ("w3" is id 3), so text prompts work too."""
+    """A word-level tokenizer over a vocabulary of `vocab_size` ids ("w3" is id 3), so text prompts work too. Not for
+    qwen2 checkpoints: transformers 5 loads their tokenizer as Qwen2Tokenizer whatever tokenizer_config.json names,
+    and its byte-level pipeline finds none of these words (give such a model token ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}

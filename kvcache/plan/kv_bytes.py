@@ -219,6 +219,15 @@ def longest_tokens(shape: ModelShape, blocks: int, block_size: int) -> int:
     return lo * block_size
 
 
+def check_latent_format(dtype: str) -> None:
+    """ValueError unless `dtype` can store an MLA latent: KIVI (int4, int2) quantizes keys and values differently."""
+    spec = kv_dtype(dtype)
+    if spec.scales == "kivi":
+        raise ValueError(f"kv_cache_dtype {spec.name} (KIVI) quantizes keys per channel over {spec.group}-token groups "
+                         "and values per token; an MLA latent is both at once: use fp8 or int8 (one scale per token "
+                         "for the latent and its RoPE key)")
+
+
 def layer_groups(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> list[LayerGroup]:
     """The attention layers grouped by kind, in first-appearance order."""
     groups = []
@@ -303,6 +312,16 @@ class CacheCapacity:
     layers_per_block: int = 0  # with per-layer-group tables (table_groups): the layers one block holds; 0: all
 
 
+def pool_tokens(num_blocks: int, block_size: int, layers_per_block: int, num_layers: int) -> str:
+    """'N blocks x B tokens = T tokens'; where a block holds one layer group's layers (per-layer-group tables), the
+    tokens of every layer that many blocks hold (a token takes a block slot in each group's table)."""
+    slots = num_blocks * block_size
+    if not layers_per_block or layers_per_block >= num_layers:
+        return f"{num_blocks:,} blocks x {block_size} tokens = {slots:,} tokens"
+    return (f"{num_blocks:,} blocks x {block_size} tokens x {layers_per_block} of the {num_layers} layers = "
+            f"{slots * layers_per_block // num_layers:,} tokens of every layer")
+
+
 def sequence_blocks(shape: ModelShape, dtype: str, block_size: int, tensor_parallel_size: int = 1,
                     state_dtype: str = "bfloat16") -> int:
     """Blocks' worth of memory a request needs besides its tokens: quantization residual and linear-layer state."""
@@ -338,8 +357,8 @@ def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size:
     """
     tp = tensor_parallel_size
     per_token = check_kv_format(shape, dtype, block_size, tp)
-    if groups is None:
-        groups = table_groups(shape) if release else []
+    if groups is None:  # KIVI's fp16 key residual needs one table of every layer, as the engine keeps
+        groups = table_groups(shape) if release and kv_dtype(dtype).scales != "kivi" else []
     if groups:  # a block holds one group's layers; a token costs that in each group's table
         per_token = sum(layer_bytes_per_token(shape, dtype, shape.layer_kinds[i], tp) for i in groups[0].layers)
     block_bytes = per_token * block_size

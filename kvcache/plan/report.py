@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from kvcache.plan.capacity import DevicePlan
 from kvcache.plan.kv_bytes import (heads_per_gpu, kv_bytes_per_token, kv_cache_bytes, kv_dtype, kv_formula,
-                                   layer_groups, mha_equivalent_bytes_per_token, residual_bytes_per_seq,
+                                   layer_groups, mha_equivalent_bytes_per_token, pool_tokens, residual_bytes_per_seq,
                                    state_bytes_per_seq)
 from kvcache.plan.shape import ModelShape
 
@@ -57,7 +57,8 @@ def build_report(shape: ModelShape, dtype: str, batch: int, seq_len: int, device
             "block_bytes": c.block_size * c.bytes_per_token, "gpu_bytes_per_token": c.bytes_per_token,
             "num_blocks": c.num_blocks, "max_tokens": c.num_tokens, "max_concurrency": c.max_concurrency,
             "max_seq_len_for_batch": device.max_seq_len_for_batch, "seq_blocks": c.seq_blocks,
-            "layers_per_block": c.layers_per_block, "blocks_per_request": c.blocks_per_request,
+            "layers_per_block": c.layers_per_block,
+            "attention_layers": sum(g.count for g in layer_groups(device.stage, dtype, tp)), "blocks_per_request": c.blocks_per_request,
             "max_num_seqs": device.max_num_seqs, "gpu_formula": kv_formula(device.stage, dtype, tp),
         })
     return report
@@ -115,8 +116,8 @@ def _capacity_lines(r: dict) -> list[tuple[str, str]]:
     lines += [
         ("kv budget", f"{r['kv_budget']:,} bytes per GPU ({human(r['kv_budget'])}); {r['kv_cache_bytes']:,} bytes in "
                       f"blocks on all GPUs ({human(r['kv_cache_bytes'])})"),
-        ("blocks", f"{r['num_blocks']:,} blocks x {r['block_size']} tokens = {r['max_tokens']:,} tokens "
-                   f"({r['block_bytes']:,} bytes per block per GPU)"
+        ("blocks", pool_tokens(r["num_blocks"], r["block_size"], r["layers_per_block"], r["attention_layers"])
+                   + f" ({r['block_bytes']:,} bytes per block per GPU)"
                    + (f"; a block holds {r['layers_per_block']} layers: one table per layer group, a request of "
                       f"{r['seq_len']:,} tokens takes {r['blocks_per_request']:,} blocks across them"
                       if r.get("layers_per_block") else "")

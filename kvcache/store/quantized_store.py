@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.plan.kv_bytes import kv_dtype
+from kvcache.plan.kv_bytes import check_latent_format, kv_dtype
 from kvcache.store.codecs import BITS, FP8, quantize_per_channel, quantize_per_token, unpack
 from kvcache.store.kv_store import KVStore, _unique, alias_lists, block_zeros, move_slots
 
@@ -47,15 +47,6 @@ class KiviPlan:
     # the residual indices count in units of this many fp16 elements of a layer's flat16: E (a token's row) where no
     # token straddles two private blocks, else 1
     resid_unit: int = 1
-
-
-def check_latent_format(dtype: str) -> None:
-    """ValueError unless `dtype` can store an MLA latent: KIVI (int4, int2) quantizes keys and values differently."""
-    spec = kv_dtype(dtype)
-    if spec.scales == "kivi":
-        raise ValueError(f"kv_cache_dtype {spec.name} (KIVI) quantizes keys per channel over {spec.group}-token groups "
-                         "and values per token; an MLA latent is both at once: use fp8 or int8 (one scale per token "
-                         "for the latent and its RoPE key)")
 
 
 class QuantizedKVStore:

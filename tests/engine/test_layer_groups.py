@@ -14,7 +14,7 @@ from kvcache import LLM, SamplingParams
 from kvcache.memory.block_pool import BlockPool
 from kvcache.memory.kv_cache_manager import blocks_for
 from kvcache.memory.layer_groups import GroupedKVCacheManager
-from kvcache.plan.kv_bytes import cache_capacity, group_blocks, kv_cache_bytes, table_groups
+from kvcache.plan.kv_bytes import cache_capacity, group_blocks, kv_bytes_per_token, kv_cache_bytes, table_groups
 from kvcache.plan.presets import MODEL_PRESETS
 from kvcache.plan.shape import shape_from_config
 
@@ -266,6 +266,26 @@ def test_more_requests_fit_the_same_budget_and_the_planner_agrees(tiny_model_dir
     assert cap.blocks_per_request == 512 + 257 and cap.layers_per_block == 21
     cb = kv_cache_bytes(shape, "bfloat16", 4, 8192)
     assert cb.paged_bytes == cb.total_bytes
+
+
+@pytest.mark.parametrize("kv_dtype, block", [("float32", BLOCK), ("int4", 64)])
+def test_the_planner_sizes_a_hybrid_pool_as_the_engine_does(tiny_model_dirs, kv_dtype, block):
+    """`kvcache plan --kv-cache-memory` gives the engine's blocks and concurrency; KIVI keeps one table of every
+    layer in both (its fp16 key residual), and the pool's tokens count every layer, not one group's slots."""
+    from kvcache.plan.capacity import plan_device
+    from kvcache.plan.kv_bytes import pool_tokens
+    from kvcache.plan.model_source import load_model_shape
+    path = tiny_model_dirs["gemma2"]
+    info = LLM(path, kv_cache_memory="2MiB", block_size=block, kv_cache_dtype=kv_dtype).kv_cache_info()
+    c = plan_device(load_model_shape(path), kv_dtype, kv_cache_memory=2 * 2**20, block_size=block,
+                    seq_len=info["max_model_len"]).capacity
+    assert (c.num_blocks, c.blocks_per_request) == (info["num_blocks"], info["blocks_per_request"])
+    assert c.max_concurrency == pytest.approx(info["max_concurrency"])
+    grouped = kv_dtype == "float32"
+    assert bool(c.layers_per_block) == grouped and info["layers_per_block"] == (1 if grouped else 2)
+    tokens = info["total_bytes"] // kv_bytes_per_token(load_model_shape(path), kv_dtype)  # of every layer
+    assert pool_tokens(info["num_blocks"], block, info["layers_per_block"], info["kv_layers"]).endswith(
+        f"= {tokens:,} tokens" + (" of every layer" if grouped else ""))
 
 
 # ---- PyramidKV: one table per layer -------------------------------------------------------------------------

@@ -198,10 +198,28 @@ def test_plan_json_list_is_not_a_config(capsys, tmp_path):
     assert str(path) in msg and "list" in msg
 
 
-@pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--seq-len", "-5")])
+@pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--seq-len", "-5"), ("--num-parameters", "-5"),
+                                         ("--num-parameters", "0"), ("--tensor-parallel-size", "0")])
 def test_plan_rejects_non_positive_sizes(capsys, flag, value):
-    msg = assert_clean_error(*run(capsys, "plan", "llama-3-8b", flag, value))
+    msg = assert_clean_error(*run(capsys, "plan", "llama-3-8b", flag, value, "--gpu", "h100-80gb"))
     assert flag in msg and value in msg
+
+
+def test_plan_refuses_a_gpu_and_a_memory_together(capsys):
+    msg = assert_clean_error(*run(capsys, "plan", "llama-3-8b", "--gpu", "h100-80gb", "--memory", "10GB"))
+    assert "--gpu" in msg and "--memory" in msg
+
+
+def test_plan_refuses_kivi_on_mla_as_the_engine_does(capsys):
+    msg = assert_clean_error(*run(capsys, "plan", "deepseek-v3", "--kv-cache-dtype", "int4"))
+    assert "int4" in msg and "MLA" in msg
+
+
+@pytest.mark.parametrize("dtype, kv, per_token", [("float32", "float32", 262_144), ("float16", "float16", 131_072),
+                                                  ("int8", "bfloat16", 131_072), ("auto", "bfloat16", 131_072)])
+def test_plan_kv_auto_follows_the_weight_dtype(capsys, dtype, kv, per_token):
+    r = run_json(capsys, "plan", "llama-3-8b", "--dtype", dtype, "--gpu", "h100-80gb")
+    assert (r["kv_cache_dtype"], r["bytes_per_token"]) == (kv, per_token)
 
 
 def test_plan_unknown_kv_dtype_lists_supported(capsys):
