@@ -89,5 +89,5 @@ def request_output(req: Request, finished: bool, detokenize: Callable[[Sequence]
         text = s.text if s.stop_reason in s.params.stop else detokenize(s)
         logprobs = s.params.logprobs is not None
         comps.append(CompletionOutput(s.index, text, s.output_token_ids, s.finish_reason, s.stop_reason,
-                                      s.logprobs if logprobs else None, s.cumulative_logprob if logprobs else None))
+                                      list(s.logprobs) if logprobs else None, s.cumulative_logprob if logprobs else None))
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished, req.metrics, req.error)

@@ -21,10 +21,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kvcache.engine.llm_engine import RequestOutput
-from kvcache.engine.sampling_params import SamplingParams
+from kvcache.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvcache.messages import describe
 from kvcache.server import kv_page
 from kvcache.server.engine_loop import EngineDeadError, EngineLoop
+from kvcache.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from kvcache.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, validation_error)
 
@@ -41,6 +42,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
     app = FastAPI(title="kvcache", docs_url=None, redoc_url=None, openapi_url=None)
     engine = loop.engine
     tokenizer = engine.tokenizer
+    texts = TokenTexts(tokenizer)
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     app.add_middleware(Guard, expected_auth=expected_auth, max_body_bytes=max_body_bytes)
@@ -145,11 +147,10 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
-        for name, bad in (("echo", req.echo), ("suffix", req.suffix), ("logprobs", req.logprobs is not None),
-                          ("best_of", req.best_of not in (None, req.n))):
+        for name, bad in (("echo", req.echo), ("suffix", req.suffix), ("best_of", req.best_of not in (None, req.n))):
             if bad:
                 raise APIError(400, f"{name} is not supported by this server", param=name)
-        params = _params(req, 16 if req.max_tokens is None else req.max_tokens)
+        params = _params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
         prompts = req.prompts()
         admit(len(prompts))  # refuse early, before tokenizing; _generate checks again before queueing
         prompts = [await encode(p, True) if isinstance(p, str) else p for p in prompts]
@@ -158,10 +159,15 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await parse(request, ChatCompletionRequest)
-        for name, bad in (("logprobs", req.logprobs or req.top_logprobs), ("tools", req.tools)):
-            if bad:
-                raise APIError(400, f"{name} is not supported by this server", param=name)
-        params = _params(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
+        if req.tools:
+            raise APIError(400, "tools is not supported by this server", param="tools")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                           param="top_logprobs")
+        params = _params(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+                         (req.top_logprobs or 0) if req.logprobs else None)
         admit(1)
         prompt = await encode(chat_prompt(tokenizer, req.messages, req.add_generation_prompt), False)
         return await _generate(request, req, "chatcmpl", "chat.completion", [prompt], params)
@@ -189,11 +195,12 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
                 raise APIError(400, str(e), param=_param_of(str(e)))
             raise e
         created = int(time.time())
+        shape = LogprobShape(kind, texts, params.logprobs)
         if req.stream:
-            body = _stream(request, loop, out, ids, rid, kind, created, model_name, params, req.include_usage)
+            body = _stream(request, loop, out, ids, rid, kind, created, model_name, params, req.include_usage, shape)
             return StreamingResponse(body, media_type="text/event-stream")
         finals = await _collect(request, loop, out, ids, rid)
-        return _response(finals, ids, rid, kind, created, model_name, params.n)
+        return _response(finals, ids, rid, kind, created, model_name, params.n, shape)
 
     return app
 
@@ -258,9 +265,9 @@ class Guard:
         return None
 
 
-def _params(req, max_tokens):
+def _params(req, max_tokens, logprobs=None):
     try:
-        return req.sampling_params(max_tokens)
+        return req.sampling_params(max_tokens, logprobs)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from None
 
@@ -339,12 +346,29 @@ def _usage(finals: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+class LogprobShape:
+    """A request's logprobs in its endpoint's shape (server/logprobs.py), or None where it asked for none."""
+
+    def __init__(self, kind: str, texts: TokenTexts, top: int | None) -> None:
+        self.chat, self.texts, self.top = kind == "chat.completion", texts, top
+
+    def of(self, c, start: int = 0, offset: int = 0) -> tuple[dict | None, int]:
+        """The logprobs of choice `c`'s tokens from `start` on (a completion's text offsets from `offset`), and the
+        offset after them."""
+        if self.top is None:
+            return None, offset
+        ids, lps = c.token_ids[start:], c.logprobs[start:len(c.token_ids)]
+        if self.chat:
+            return chat_logprobs(self.texts, ids, lps, self.top), offset
+        return completion_logprobs(self.texts, ids, lps, self.top, offset)
+
+
 def _response(finals: dict[str, RequestOutput], ids: list[str], rid: str, kind: str, created: int, model: str,
-              n: int) -> dict:
+              n: int, shape: LogprobShape) -> dict:
     choices = []
     for i, sub_id in enumerate(ids):
         for c in finals[sub_id].outputs:
-            choice = {"index": i * n + c.index, "finish_reason": c.finish_reason, "logprobs": None}
+            choice = {"index": i * n + c.index, "finish_reason": c.finish_reason, "logprobs": shape.of(c)[0]}
             if kind == "chat.completion":
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
@@ -361,26 +385,28 @@ def _sse(data: dict) -> str:
 
 
 async def _stream(request: Request, loop: EngineLoop, out: asyncio.Queue, ids: list[str], rid: str, kind: str,
-                  created: int, model: str, params, include_usage: bool) -> AsyncIterator[str]:
+                  created: int, model: str, params, include_usage: bool, shape: LogprobShape) -> AsyncIterator[str]:
     """Server-sent events: text deltas per choice, a finish_reason per choice, usage if asked, then [DONE].
 
     Text that may be the start of a stop string, or an unfinished UTF-8 character, is held back
-    until the next tokens settle it.
+    until the next tokens settle it. With logprobs, a chunk carries those of the tokens that arrived since the
+    last chunk of its choice (its text may still be held back): the chunks' logprobs together are the choice's.
     """
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     holdback = max((len(s) for s in params.stop), default=1) - 1
     sent: dict[tuple[str, int], int] = {}  # (sub-request, choice) -> characters sent
+    lp_sent: dict[tuple[str, int], tuple[int, int]] = {}  # -> (tokens whose logprobs went out, their text offset)
     ended: set[tuple[str, int]] = set()  # choices whose finish chunk went out
     finals: dict[str, RequestOutput] = {}
     open_ids = set(ids)
     index_of = {sub_id: i for i, sub_id in enumerate(ids)}
 
-    def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+    def chunk(index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
         if chunk_kind == "text_completion":
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         else:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return _sse({"id": rid, "object": chunk_kind, "created": created, "model": model, "choices": [choice]})
 
     try:
@@ -408,12 +434,20 @@ async def _stream(request: Request, loop: EngineLoop, out: asyncio.Queue, ids: l
                 while not done and end > start and c.text[end - 1] == "\ufffd":
                     end -= 1
                 index = index_of[item.request_id] * params.n + c.index
+
+                def new_logprobs():
+                    tokens, offset = lp_sent.get(key, (0, 0))
+                    if tokens == len(c.token_ids):
+                        return None
+                    lps, offset = shape.of(c, tokens, offset)
+                    lp_sent[key] = (len(c.token_ids), offset)
+                    return lps
                 if end > start:
                     sent[key] = end
-                    yield chunk(index, c.text[start:end], None)
+                    yield chunk(index, c.text[start:end], None, logprobs=new_logprobs())
                 if done:
                     ended.add(key)
-                    yield chunk(index, None, c.finish_reason)
+                    yield chunk(index, None, c.finish_reason, logprobs=new_logprobs())
             if item.finished:
                 finals[item.request_id] = item
         if include_usage:

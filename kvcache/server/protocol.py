@@ -66,6 +66,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     user: str | None = None
     logit_bias: dict | None = None
+    response_format: dict | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float = 0.0
@@ -94,17 +95,22 @@ class _Sampling(BaseModel):
             param = "kv_eviction" if str(e).startswith("kv_eviction") else "kv_budget"
             raise APIError(400, str(e), param=param) from None
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """The engine's parameters; raises ValueError naming the field that is out of range."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters (`logprobs`: top entries per token, None for none); raises ValueError naming the
+        field that is out of range."""
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":  # JSON modes need guided decoding, which this server does not do: not silently ignored
+            raise APIError(400, f"response_format {kind!r} is not supported by this server (only 'text')",
+                           param="response_format")
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k in (None, -1) else self.top_k,
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens)
+            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
 
     @property
     def include_usage(self) -> bool:
