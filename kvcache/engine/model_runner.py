@@ -7,6 +7,7 @@ import torch
 
 from kvcache.attention.metadata import ForwardBatch, KiviLayout, SeqChunk, build_batch
 from kvcache.distributed.tensor_parallel import RankDiedError
+from kvcache.engine import prompt_logprobs
 from kvcache.engine.eviction import seq_chunk
 from kvcache.engine.sequence import Sequence
 from kvcache.memory.device_tables import DeviceBlockTables
@@ -55,6 +56,7 @@ class ModelRunner:
         rows each, in order: [n, vocab]), and
         the step's chunks (one per scheduled sequence; `self.captured` holds the queries eviction asked for)."""
         specs, sampled = [], []
+        every_row: dict[int, bool] = {}  # chunks whose every row's logits prompt logprobs need -> whether last
         for seq, n in chunks:
             start = seq.num_computed_tokens
             tokens = seq.token_ids[start:start + n]
@@ -64,11 +66,16 @@ class ModelRunner:
             slot = start - seq.num_evicted
             specs.append(seq_chunk(seq.seq_id, tokens, slot, self.kv.block_tables[seq.seq_id], last,
                                    self.kv.private_blocks.get(seq.seq_id, []), seq.eviction))
+            if prompt_logprobs.want_every_row(seq, specs[-1]):
+                every_row[len(specs) - 1] = last
             if last:
                 if seq.draft:  # a speculating decode: every proposed token is verified, each row as a decode
                     specs[-1].num_logits, specs[-1].as_decodes = 1 + len(seq.draft), True
                 sampled.append(seq)
-        return sampled, self._forward(specs, evicting=any(seq.eviction for seq, _ in chunks)), specs
+        logits = self._forward(specs, evicting=any(seq.eviction for seq, _ in chunks))
+        if every_row:
+            logits = prompt_logprobs.take(chunks, specs, every_row, logits)
+        return sampled, logits, specs
 
     def forward(self, specs: list[SeqChunk], logit_rows: range | None = None,
                 group_tables: list[list[list[int]]] | None = None) -> torch.Tensor:

@@ -47,6 +47,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    # with SamplingParams.prompt_logprobs: prompt token i's {its id: logprob, top ids: theirs}, None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class RequestFailedError(RuntimeError):
@@ -90,4 +92,7 @@ def request_output(req: Request, finished: bool, detokenize: Callable[[Sequence]
         logprobs = s.params.logprobs is not None
         comps.append(CompletionOutput(s.index, text, s.output_token_ids, s.finish_reason, s.stop_reason,
                                       list(s.logprobs) if logprobs else None, s.cumulative_logprob if logprobs else None))
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished, req.metrics, req.error)
+    first = next((s for s in req.seqs if s.index == 0), None)
+    prompt_lps = list(first.prompt_logprobs) if first is not None and req.params.prompt_logprobs is not None else None
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished, req.metrics, req.error,
+                         prompt_lps)

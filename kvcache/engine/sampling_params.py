@@ -39,6 +39,8 @@ class SamplingParams:
     min_tokens: output tokens to generate before EOS or stop_token_ids may be sampled.
     logprobs: how many most likely tokens' log probabilities to return per step, besides the
         sampled token's; 0 returns only the sampled token's, None returns none.
+    prompt_logprobs: the same for every prompt token after the first (each given the tokens before it; vLLM's
+        field): the prompt is computed in full, without the prefix cache's blocks (logits only come from a forward).
     skip_special_tokens: leave special tokens out of the detokenized text.
     """
 
@@ -57,6 +59,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -94,6 +97,10 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs)
             _check("logprobs", self.logprobs, 0 <= self.logprobs <= MAX_LOGPROBS,
+                   f"in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs)
+            _check("prompt_logprobs", self.prompt_logprobs, 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                    f"in [0, {MAX_LOGPROBS}] or None")
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
 

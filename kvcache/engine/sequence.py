@@ -33,6 +33,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # with params.prompt_logprobs: entry i is prompt token i's (None for the first), filled as the prompt's chunks run
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     text: str = ""  # detokenized output, kept current only when stop strings need it
@@ -51,8 +53,20 @@ class Sequence:
 
     @property
     def max_cached_prefix(self) -> int | None:
-        """Tokens it may take from the prefix cache (None: any); an eviction policy may need its queries run."""
-        return self.eviction.policy.cacheable_prefix(self.eviction) if self.eviction else None
+        """Tokens it may take from the prefix cache (None: any); an eviction policy may need its queries run, and
+        prompt logprobs need the logits of every prompt position not yet recorded."""
+        limit = self.eviction.policy.cacheable_prefix(self.eviction) if self.eviction else None
+        if self.wants_prompt_logits:
+            own = max(0, len(self.prompt_logprobs) - 1)  # position p's logits give entry p + 1
+            limit = own if limit is None else min(limit, own)
+        return limit
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Prompt logprobs were asked for and some are not recorded yet (by the first sample: the others fork from it
+        after the prompt, and a recomputed one need not record them again)."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     @property
     def num_evicted(self) -> int:

@@ -25,7 +25,7 @@ from kvcache.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvcache.messages import describe
 from kvcache.server import kv_page
 from kvcache.server.engine_loop import EngineDeadError, EngineLoop
-from kvcache.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from kvcache.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs, joined
 from kvcache.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, validation_error)
 
@@ -147,14 +147,17 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
-        for name, bad in (("echo", req.echo), ("suffix", req.suffix), ("best_of", req.best_of not in (None, req.n))):
+        for name, bad in (("suffix", req.suffix), ("best_of", req.best_of not in (None, req.n))):
             if bad:
                 raise APIError(400, f"{name} is not supported by this server", param=name)
-        params = _params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+        # echo: each choice's text starts with its prompt (token ids decoded), and its logprobs with the prompt's
+        params = _params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
+                         req.logprobs if req.echo else None)
         prompts = req.prompts()
         admit(len(prompts))  # refuse early, before tokenizing; _generate checks again before queueing
+        echo = [p if isinstance(p, str) else _decode(tokenizer, p) for p in prompts] if req.echo else None
         prompts = [await encode(p, True) if isinstance(p, str) else p for p in prompts]
-        return await _generate(request, req, "cmpl", "text_completion", prompts, params)
+        return await _generate(request, req, "cmpl", "text_completion", prompts, params, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -172,7 +175,8 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
         prompt = await encode(chat_prompt(tokenizer, req.messages, req.add_generation_prompt), False)
         return await _generate(request, req, "chatcmpl", "chat.completion", [prompt], params)
 
-    async def _generate(request: Request, req, prefix: str, kind: str, prompts: list[list[int]], params):
+    async def _generate(request: Request, req, prefix: str, kind: str, prompts: list[list[int]], params,
+                        echo: list[str] | None = None):
         eviction = req.eviction(loop.engine.config.eviction)
         rid = f"{prefix}-{request.state.request_id}"
         out: asyncio.Queue = asyncio.Queue()
@@ -195,7 +199,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
                 raise APIError(400, str(e), param=_param_of(str(e)))
             raise e
         created = int(time.time())
-        shape = LogprobShape(kind, texts, params.logprobs)
+        shape = LogprobShape(kind, texts, params.logprobs, dict(zip(ids, echo)) if echo else {})
         if req.stream:
             body = _stream(request, loop, out, ids, rid, kind, created, model_name, params, req.include_usage, shape)
             return StreamingResponse(body, media_type="text/event-stream")
@@ -265,9 +269,9 @@ class Guard:
         return None
 
 
-def _params(req, max_tokens, logprobs=None):
+def _params(req, max_tokens, logprobs=None, prompt_logprobs=None):
     try:
-        return req.sampling_params(max_tokens, logprobs)
+        return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from None
 
@@ -279,6 +283,15 @@ def _param_of(message: str) -> str | None:
     """The request field an engine error names first ('temperature must be ...' -> 'temperature', 'the prompt is
     empty' -> 'prompt', 'request needs 19 KV blocks ...; ... lower max_tokens' -> 'max_tokens'), if any."""
     return next((w for w in re.findall(r"[a-z_]+", message.split(": ", 1)[0]) if w in _FIELDS), None)
+
+
+def _decode(tokenizer, ids: list) -> str:
+    """A token-id prompt's text for echo; ids the tokenizer cannot decode are refused (400) with the engine's message
+    later, so decode what can be."""
+    try:
+        return tokenizer.decode(ids)
+    except Exception:  # an id out of range, or not an int: add_request refuses the prompt with its reason
+        return ""
 
 
 def chat_prompt(tokenizer, messages, add_generation_prompt: bool) -> str:
@@ -349,8 +362,15 @@ def _usage(finals: list[RequestOutput]) -> dict:
 class LogprobShape:
     """A request's logprobs in its endpoint's shape (server/logprobs.py), or None where it asked for none."""
 
-    def __init__(self, kind: str, texts: TokenTexts, top: int | None) -> None:
+    def __init__(self, kind: str, texts: TokenTexts, top: int | None, echo: dict[str, str]) -> None:
         self.chat, self.texts, self.top = kind == "chat.completion", texts, top
+        self.echo = echo  # completions with echo: sub-request id -> its prompt's text
+
+    def prompt(self, o: RequestOutput) -> tuple[dict | None, int]:
+        """An echoed prompt's logprobs (completions shape) and the text offset after it."""
+        if self.top is None:
+            return None, 0
+        return completion_logprobs(self.texts, o.prompt_token_ids, o.prompt_logprobs, self.top, 0)
 
     def of(self, c, start: int = 0, offset: int = 0) -> tuple[dict | None, int]:
         """The logprobs of choice `c`'s tokens from `start` on (a completion's text offsets from `offset`), and the
@@ -371,6 +391,11 @@ def _response(finals: dict[str, RequestOutput], ids: list[str], rid: str, kind: 
             choice = {"index": i * n + c.index, "finish_reason": c.finish_reason, "logprobs": shape.of(c)[0]}
             if kind == "chat.completion":
                 choice["message"] = {"role": "assistant", "content": c.text}
+            elif sub_id in shape.echo:
+                choice["text"] = shape.echo[sub_id] + c.text
+                if shape.top is not None:
+                    head, offset = shape.prompt(finals[sub_id])
+                    choice["logprobs"] = joined(head, shape.of(c, 0, offset)[0])
             else:
                 choice["text"] = c.text
             if c.stop_reason is not None:
@@ -428,6 +453,11 @@ async def _stream(request: Request, loop: EngineLoop, out: asyncio.Queue, ids: l
                 key = (item.request_id, c.index)
                 if key in ended:
                     continue
+                if item.request_id in shape.echo and key not in lp_sent:  # the prompt first, with its logprobs
+                    head, offset = shape.prompt(item)
+                    lp_sent[key] = (0, offset)
+                    yield chunk(index_of[item.request_id] * params.n + c.index, shape.echo[item.request_id], None,
+                                logprobs=head)
                 done = c.finish_reason is not None
                 start = sent.get(key, 0)
                 end = len(c.text) if done else max(start, len(c.text) - holdback)

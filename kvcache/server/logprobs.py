@@ -25,7 +25,7 @@ class TokenTexts:
 
 
 def _lp(value: float) -> float:
-    return max(value, FLOOR)
+    return value if value >= FLOOR else FLOOR  # NaN too: JSON has none
 
 
 def _ranked(d: dict[int, float], k: int) -> list[tuple[int, float]]:
@@ -42,18 +42,28 @@ def chat_logprobs(texts: TokenTexts, token_ids: list[int], lps: list[dict[int, f
                         for t, d in zip(token_ids, lps)]}
 
 
-def completion_logprobs(texts: TokenTexts, token_ids: list[int], lps: list[dict[int, float]], k: int,
+def completion_logprobs(texts: TokenTexts, token_ids: list[int], lps: list[dict[int, float] | None], k: int,
                         offset: int) -> tuple[dict, int]:
     """The completions shape for `token_ids`, the first starting at `offset` in the choice's text; and the offset
-    after the last (a stream's next chunk starts there)."""
+    after the last (a stream's next chunk starts there). A None entry (an echoed prompt's first token) has null
+    token_logprobs and top_logprobs, as in OpenAI's and vLLM's echo."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, d in zip(token_ids, lps):
         s = texts.text(t)
         out["tokens"].append(s)
+        out["text_offset"].append(offset)
+        offset += len(s)
+        if d is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
         out["token_logprobs"].append(_lp(d[t]))
         top = {texts.text(i): _lp(v) for i, v in _ranked(d, k)}
         top.setdefault(s, _lp(d[t]))
         out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(s)
     return out, offset
+
+
+def joined(a: dict, b: dict) -> dict:
+    """Two completions-shape parts, one after the other (an echoed prompt's and its continuation's)."""
+    return {key: a[key] + b[key] for key in a}

@@ -95,9 +95,10 @@ class _Sampling(BaseModel):
             param = "kv_eviction" if str(e).startswith("kv_eviction") else "kv_budget"
             raise APIError(400, str(e), param=param) from None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
-        """The engine's parameters (`logprobs`: top entries per token, None for none); raises ValueError naming the
-        field that is out of range."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters (`logprobs`, `prompt_logprobs`: top entries per token, None for none); raises
+        ValueError naming the field that is out of range."""
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         kind = (self.response_format or {}).get("type", "text")
@@ -110,7 +111,8 @@ class _Sampling(BaseModel):
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
+            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:

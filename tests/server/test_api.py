@@ -169,7 +169,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, ["empty"], None),
     ("/v1/completions", {"model": MODEL, "prompt": [5, 10**9]}, 400, ["token ids"], None),
     ("/v1/completions", {"model": "gpt-4", "prompt": PROMPT}, 404, ["gpt-4", MODEL], "model"),
-    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "echo": True}, 400, ["echo"], "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "suffix": "w9"}, 400, ["suffix"], "suffix"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}}, 400, ["json_object"], "response_format"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "cache_salt": ""}, 400, ["cache_salt"], "cache_salt"),

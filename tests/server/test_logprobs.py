@@ -1,6 +1,7 @@
 """Log probabilities through the OpenAI API (the `openai` client against a live server): chat's `logprobs` /
 `top_logprobs` and completions' `logprobs`, whole and streamed, checked against transformers' log-softmax on the
-same weights and against the offline engine; and their bad values."""
+same weights and against the offline engine; completions' `echo` with the prompt's logprobs (what lm-evaluation-
+harness's loglikelihood requests send); and their bad values."""
 from __future__ import annotations
 
 import httpx
@@ -99,6 +100,42 @@ def test_streamed_logprobs_are_the_whole_ones_with_samples_and_stop_strings(clie
     parts = [c.logprobs.content for ev in client.chat.completions.create(**chat, stream=True)
              for c in ev.choices if c.logprobs is not None]
     assert [x.model_dump() for p in parts for x in p] == [x.model_dump() for x in whole]
+
+
+def test_echo_gives_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, offline, oracle):
+    """lm-evaluation-harness sends context + continuation as token ids with echo, logprobs=1 and max_tokens=1, and
+    sums token_logprobs[len(context):-1]: that sum is transformers' log-likelihood of the continuation."""
+    tok = offline.get_tokenizer()
+    context, continuation = tok.encode("w5 w6 w7"), tok.encode("w8 w9 w10", add_special_tokens=False)
+    ids = context + continuation
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text.startswith(tok.decode(ids)) and len(lp.tokens) == len(ids) + 1
+    assert lp.tokens[:len(ids)] == [_text(offline, t) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = sum(oracle(ids[:i])[ids[i]].item() for i in range(len(context), len(ids)))
+    assert sum(lp.token_logprobs[len(context):-1]) == pytest.approx(want, abs=1e-4)
+    for i in range(1, len(ids)):  # each prompt entry: its token's and the most likely one's
+        best = oracle(ids[:i]).topk(1)
+        assert lp.top_logprobs[i] == pytest.approx({_text(offline, ids[i]): oracle(ids[:i])[ids[i]].item(),
+                                                    _text(offline, best.indices.item()): best.values.item()}, abs=1e-4)
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1)
+    assert plain.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[-1:])
+
+
+def test_echo_whole_and_streamed_with_text_and_token_prompts(client, offline):
+    for prompt in (PROMPT, offline.get_tokenizer().encode(PROMPT)):
+        body = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**body)
+        gen = client.completions.create(**{**body, "echo": False}).choices[0].text
+        echoed = PROMPT if isinstance(prompt, str) else offline.get_tokenizer().decode(prompt)
+        assert whole.choices[0].text == echoed + gen and whole.choices[0].logprobs is None
+        chunks = [c for ev in client.completions.create(**body, stream=True, logprobs=2) for c in ev.choices]
+        assert "".join(c.text for c in chunks) == echoed + gen
+        assert chunks[0].text == echoed and chunks[0].logprobs.token_logprobs[0] is None
+        streamed = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+        assert streamed == client.completions.create(**body, logprobs=2).choices[0].logprobs.token_logprobs
 
 
 @pytest.mark.parametrize("path, body, param", [
