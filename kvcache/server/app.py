@@ -117,10 +117,20 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
     async def prometheus():
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvcache",
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "kvcache", "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {model_name!r}", param="model",
+                           code="model_not_found")
+        return model_card()
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -26,6 +26,9 @@ def _ref(offline, prompt, **params):
 def test_models(client, live):
     ids = [m.id for m in client.models.list().data]
     assert ids == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        client.models.retrieve("gpt-4")
 
 
 def test_completion_matches_the_offline_engine_and_counts_usage(client, offline):
