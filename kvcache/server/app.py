@@ -398,16 +398,17 @@ def _response(finals: dict[str, RequestOutput], ids: list[str], rid: str, kind: 
     choices = []
     for i, sub_id in enumerate(ids):
         for c in finals[sub_id].outputs:
-            choice = {"index": i * n + c.index, "finish_reason": c.finish_reason, "logprobs": shape.of(c)[0]}
+            choice = {"index": i * n + c.index, "finish_reason": c.finish_reason}
             if kind == "chat.completion":
                 choice["message"] = {"role": "assistant", "content": c.text}
-            elif sub_id in shape.echo:
+                choice["logprobs"] = shape.of(c)[0]
+            elif sub_id in shape.echo:  # the prompt first, text and logprobs
                 choice["text"] = shape.echo[sub_id] + c.text
-                if shape.top is not None:
-                    head, offset = shape.prompt(finals[sub_id])
-                    choice["logprobs"] = joined(head, shape.of(c, 0, offset)[0])
+                head, offset = shape.prompt(finals[sub_id])
+                choice["logprobs"] = joined(head, shape.of(c, 0, offset)[0]) if head is not None else None
             else:
                 choice["text"] = c.text
+                choice["logprobs"] = shape.of(c)[0]
             if c.stop_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             choices.append(choice)
