@@ -29,6 +29,7 @@ from kvcache.models.llama import LlamaModel
 from kvcache.plan.capacity import device_budget
 from kvcache.plan.kv_bytes import (KV_DTYPES, CacheCapacity, TableGroup, cache_capacity, kv_bytes_per_token,
                                    paged_window, table_groups)
+from kvcache.plan.report import human
 from kvcache.plan.shape import ModelShape
 from kvcache.store.kv_store import KVStore
 
@@ -87,7 +88,7 @@ class KVBudget:
     derived: bool  # computed from the device, not given: then it must hold at least one max_model_len request
 
     def __str__(self) -> str:
-        return f"{self.bytes / GiB:,.2f} GiB{self.how}"
+        return f"{human(self.bytes)}{self.how}"
 
 
 def kv_budget(config: EngineConfig, device: torch.device, model: LlamaModel, portable_attention: Callable[[int], int],
