@@ -15,6 +15,8 @@ from kvcache.attention.metadata import SeqChunk
 from kvcache.engine.sampler import logprob_dicts
 from kvcache.engine.sequence import Sequence
 
+SLICE = 256  # rows whose log-softmax is taken at once
+
 
 def want_every_row(seq: Sequence, spec: SeqChunk) -> bool:
     """Ask for every row of this chunk's logits if its sequence still needs prompt entries from it; whether so."""
@@ -53,6 +55,6 @@ def _record(seq: Sequence, start: int, rows: torch.Tensor) -> None:
     if first < 0:
         raise RuntimeError(f"prompt logprobs of sequence {seq.seq_id}: a chunk from position {start} skips the "
                            f"entries from {len(entries)} on")
-    if first < stop:
-        targets = seq.token_ids[start + first + 1:start + stop + 1]
-        entries.extend(logprob_dicts(rows[first:stop], targets, seq.params.prompt_logprobs))
+    for a in range(first, stop, SLICE):  # a slice at a time: log_softmax's copy stays small beside the logits
+        b = min(stop, a + SLICE)
+        entries.extend(logprob_dicts(rows[a:b], seq.token_ids[start + a + 1:start + b + 1], seq.params.prompt_logprobs))

@@ -10,6 +10,7 @@ import torch
 
 from tiny_models import hf_model
 from kvcache import LLM, SamplingParams
+from kvcache.engine import prompt_logprobs
 
 K = 3
 
@@ -42,9 +43,11 @@ def _assert_entries(got, want) -> None:
         assert list(g.values()) == pytest.approx(list(w.values()), abs=1e-4)
 
 
-def test_prompt_logprobs_in_chunks_beside_other_requests(tiny_llama, reference):
-    """Chunks of 16 tokens, with requests that do not ask for them in the same steps: every entry matches, and
-    every request's tokens are those of a run where nobody asked (the sampling rows are the right ones)."""
+def test_prompt_logprobs_in_chunks_beside_other_requests(tiny_llama, reference, monkeypatch):
+    """Chunks of 16 tokens (log-softmax 5 rows at a time), with requests that do not ask for them in the same steps:
+    every entry matches, and every request's tokens are those of a run where nobody asked (the sampling rows are the
+    right ones)."""
+    monkeypatch.setattr(prompt_logprobs, "SLICE", 5)
     prompts = [_prompt(n, seed) for seed, n in enumerate((45, 9, 30, 2))]
     plain = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     asked = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=K)
