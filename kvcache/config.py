@@ -1,6 +1,7 @@
 """Engine configuration: one validated dataclass; CLI flags map onto it one to one (vLLM names)."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -45,7 +46,10 @@ def parse_bytes(value: str | int | float, allow_zero: bool = False, of: int | No
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"cannot read {value!r} as a size in bytes (examples: 4GiB, 512MiB, 2e9)")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if not math.isfinite(n):  # '1e400'
+            raise ValueError(f"{value!r} is too large a size in bytes")
+        n = int(n)
     if n < 0 or (n == 0 and not allow_zero):
         raise ValueError(f"a memory size must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
     return n

@@ -104,10 +104,7 @@ class PrefixRouter:
 
     def __init__(self, num_replicas: int, policy: str = "kv-aware", balance: float = 4,
                  block_size: int = TOKEN_BLOCK) -> None:
-        if policy not in ("kv-aware", "round-robin"):
-            raise ValueError(f"routing must be kv-aware or round-robin, got {policy!r}")
-        if not balance >= 0:
-            raise ValueError(f"routing balance must be >= 0, got {balance}")
+        check_routing(policy, balance)
         self.n, self.policy, self.balance, self.block_size = num_replicas, policy, balance, block_size
         self.index: OrderedDict[Key, int] = OrderedDict()  # key sent -> bit mask of the replicas `recent` holds it in
         self.recent: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(num_replicas)]  # LRU per replica
@@ -558,6 +555,14 @@ def _stop_on_sigterm(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def check_routing(policy: str, balance: float) -> None:
+    """ValueError unless the router can take this policy and balance."""
+    if policy not in ("kv-aware", "round-robin"):
+        raise ValueError(f"routing must be kv-aware or round-robin, got {policy!r}")
+    if not balance >= 0:  # NaN too
+        raise ValueError(f"routing balance must be >= 0, got {balance}")
+
+
 def serve_replicas(args, config) -> int:
     """`kvcache serve --replicas K`: start a local Ray cluster and Ray Serve, deploy, and serve until interrupted."""
     if args.replicas < 1:
@@ -568,6 +573,7 @@ def serve_replicas(args, config) -> int:
         raise ValueError(f"--kv-events-endpoint {config.kv_events_endpoint} with --replicas {args.replicas}: each "
                          "replica publishes its KV events on an endpoint of its own, which the router follows "
                          "(GET /replicas lists them)")
+    check_routing(args.routing, args.routing_balance)  # before Ray: inside a deployment its reason would be lost
     import ray  # after the refusals: they need no Ray
     from ray import serve
     cores = usable_cores()

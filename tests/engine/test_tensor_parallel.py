@@ -137,6 +137,10 @@ def test_what_tensor_parallelism_cannot_take_is_refused_with_the_numbers(tiny_mo
         serve_replicas(SimpleNamespace(replicas=2), EngineConfig(model=path, tensor_parallel_size=2))
     with pytest.raises(ValueError, match="--replicas must be >= 1, got 0"):
         serve_replicas(SimpleNamespace(replicas=0), EngineConfig(model=path))
+    for balance in (-1.0, float("nan")):  # refused before Ray starts (the test has no Ray cluster)
+        with pytest.raises(ValueError, match="routing balance must be >= 0"):
+            serve_replicas(SimpleNamespace(replicas=2, routing="kv-aware", routing_balance=balance),
+                           EngineConfig(model=path))
 
 
 def _evicting(engine, prompts, specs, params) -> list[list[int]]:
