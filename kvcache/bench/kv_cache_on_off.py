@@ -27,7 +27,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(default: 8 points from the prompt to N, evenly spaced in log)")
     p.add_argument("--repeats", type=int, default=3, help="timings of each uncached step (the best is kept)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--json", default="results/kv_cache_on_off.json")
+    p.add_argument("--json", default="results/kv_cache_on_off.json", help="write the results here (default: %(default)s; \'\' to skip)")
     p.add_argument("--plot", default="results/kv_cache_on_off.png", help="PNG of time per step and in total ('' to skip)")
 
 
@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     n_max, p = args.max_tokens, args.prompt_len
     if n_max < 4 or p < 1:
         raise ValueError(f"--max-tokens must be at least 4 and --prompt-len positive, got {n_max} and {p}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     points = ([int(x) for x in args.points.split(",")] if args.points else
               sorted({round(p * (n_max / p) ** (i / 7)) for i in range(8)}))
     if min(points) < 1 or max(points) > p + n_max:

@@ -34,7 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="the serving runs' model (default: the demo model)")
     p.add_argument("--quantization", default="int4")
     p.add_argument("--skip-serving", action="store_true", help="the snapshot part only")
-    p.add_argument("--json", default="results/kv_page.json")
+    p.add_argument("--json", default="results/kv_page.json", help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def _pool_engine(path: str, args, algo: str):

@@ -19,7 +19,7 @@ import statistics
 import tempfile
 import time
 
-from kvcache.bench.throughput import write_json
+from kvcache.bench.throughput import positive_ints, write_json
 
 KV_FORMATS = ("float32", "bfloat16", "int8", "fp8_e4m3")
 
@@ -29,7 +29,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=4, help="sequences decoding together in part 2")
     p.add_argument("--steps", type=int, default=5, help="decode steps timed per context and form")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--json", default="results/mla.json")
+    p.add_argument("--json", default="results/mla.json", help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def _config(max_len: int):
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batch, --steps and --block-size must be positive")
     from kvcache.engine.llm import LLM
     from kvcache.models.random_checkpoint import save_random_checkpoint
-    contexts = [int(x) for x in args.contexts.split(",")]
+    contexts = positive_ints("--contexts", args.contexts)
     max_len = max(contexts) + args.steps + 2 + -(-args.batch * max(contexts) // 2048) + 1  # decodes during prefill
     with tempfile.TemporaryDirectory() as root:
         path = save_random_checkpoint(os.path.join(root, "mla"), _config(max_len))

@@ -46,7 +46,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--workloads", default="shared-prefix,multi-turn")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="results/replicas.json")
+    p.add_argument("--json", default="results/replicas.json", help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def _hits(url: str) -> tuple[float, float]:

@@ -25,7 +25,7 @@ import os
 import tempfile
 import time
 
-from kvcache.bench.throughput import write_json
+from kvcache.bench.throughput import positive_ints, write_json
 from kvcache.memory.kv_cache_manager import blocks_for
 
 
@@ -38,7 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens of each part-2 request (default 7x the window: long prompts, one window "
                         "generated); the rest of the 8x the window is generated")
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--json", default="results/sliding_window.json")
+    p.add_argument("--json", default="results/sliding_window.json", help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def _config(shape: str, window: int, max_len: int):
@@ -102,7 +102,8 @@ def _concurrency(llm, n: int, length: int, prompt_len: int) -> dict:
     eng.check_no_leaks()
     held_back = [d for d, w in zip(decoding, waiting) if w] or decoding
     return {"most_decoding": max(decoding), "mean_decoding": sum(decoding) / len(decoding),
-            "mean_decoding_while_waiting": sum(held_back) / len(held_back), "steps": len(decoding),
+            "mean_decoding_while_waiting": sum(held_back) / len(held_back), "steps_waiting": sum(waiting),
+            "steps": len(decoding),
             "elapsed_s": elapsed, "preemptions": eng.kv_cache_info()["num_preemptions"],
             "tokens": [done[str(i)] for i in range(n)]}
 
@@ -111,7 +112,7 @@ def _shape(shape: str, args, root: str) -> dict:
     from kvcache.models.random_checkpoint import save_random_checkpoint
     from kvcache.plan.kv_bytes import cache_capacity, kv_bytes_per_token
     from kvcache.plan.model_source import load_model_shape
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = positive_ints("--lengths", args.lengths, least=2)  # a prompt of one token at least, then one more
     long = 8 * args.window
     max_len = max(lengths + [long]) + 1
     path = save_random_checkpoint(os.path.join(root, shape), _config(shape, args.window, max_len))
@@ -162,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{c['requests']} requests of {c['request_tokens']} tokens ({c['prompt_tokens']} prompt), pool of {c['pool_bytes'] / 1024:,.0f} KiB: "
                   f"at most {g['most_decoding']} decoding at once against {o['most_decoding']} "
                   f"({g['most_decoding'] / o['most_decoding']:.2f}x), {g['mean_decoding_while_waiting']:.1f} against "
-                  f"{o['mean_decoding_while_waiting']:.1f} on average while requests wait for memory "
+                  f"{o['mean_decoding_while_waiting']:.1f} on average while requests wait to be admitted ({g['steps_waiting']} "
+                  f"and {o['steps_waiting']} such steps; over all steps where none waited) "
                   f"({g['mean_decoding_while_waiting'] / o['mean_decoding_while_waiting']:.2f}x; "
                   f"{g['mean_decoding']:.1f} and {o['mean_decoding']:.1f} over all steps), {g['steps']} steps against {o['steps']}, {g['elapsed_s']:.1f} s against "
                   f"{o['elapsed_s']:.1f} s ({o['elapsed_s'] / g['elapsed_s']:.2f}x), preemptions {g['preemptions']} "

@@ -28,7 +28,7 @@ import time
 from contextlib import nullcontext
 
 from kvcache.bench.step_profile import profiling
-from kvcache.bench.throughput import write_json
+from kvcache.bench.throughput import positive_ints, write_json
 from kvcache.bench.workload import random_workload
 from kvcache.engine.spec_decode import mean_acceptance_length
 
@@ -57,7 +57,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="time each kind of step of both engines (decode, verify: a step in which sequences verify "
                         "a proposal, prefill/mixed): what a verification row costs over a plain decode here")
-    p.add_argument("--json", default="results/spec_decode.json")
+    p.add_argument("--json", default="results/spec_decode.json", help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def _prompts(llm, workload: str, n: int, offset: int, chars: int) -> list[list[int]]:
@@ -91,9 +91,12 @@ def _run(llm, prompts: list[list[int]], max_tokens: int, temperature: float = 0.
 
 def run(args: argparse.Namespace) -> int:
     from kvcache.engine.llm import LLM
-    batches = [int(b) for b in args.batches.split(",")]
-    if min(batches) < 1 or args.rounds < 1 or args.max_tokens < 1:
-        raise ValueError("--batches, --rounds and --max-tokens must be positive")
+    from kvcache.engine.sampling_params import SamplingParams
+    batches = positive_ints("--batches", args.batches)
+    if args.rounds < 1 or args.max_tokens < 1 or args.doc_chars < 1:
+        raise ValueError(f"--rounds, --max-tokens and --doc-chars must be positive, got {args.rounds}, "
+                         f"{args.max_tokens} and {args.doc_chars}")
+    SamplingParams(temperature=args.temperature)  # a bad temperature is refused before the models load
     spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
     if args.method == "ngram":
         spec.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)

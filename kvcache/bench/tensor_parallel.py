@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default="256MiB", help="per rank")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="results/tensor_parallel.json")
+    p.add_argument("--json", default="results/tensor_parallel.json", help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def demo_sized_model(directory: str) -> str:

@@ -103,8 +103,22 @@ def decode_roofline(d: dict, weight_bytes: int, kv_bytes_per_token: int, bandwid
     d["x_roofline"] = d["median_s"] / d["roofline_s"]
 
 
+def positive_ints(flag: str, text: str, least: int = 1) -> list[int]:
+    """A comma-separated list of integers >= `least` (a benchmark's --contexts, --lengths, ...); ValueError naming
+    the flag otherwise, before anything runs."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if min(values) < least:
+        raise ValueError(f"{flag} values must be at least {least}, got {text!r}")
+    return values
+
+
 def write_json(path: str, results: dict) -> None:
-    """Write a benchmark's results (creating the folder) and say so."""
+    """Write a benchmark's results (creating the folder) and say so; nothing where `path` is empty (--json '')."""
+    if not path:
+        return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
@@ -215,6 +229,8 @@ def run_hf(model_path: str | None, work: Workload, batch_size: int, device: str,
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.baseline == "hf":
+        positive_ints("--hf-batch-sizes", args.hf_batch_sizes)  # refused before any work
     if args.preemption_modes:
         from kvcache.bench.preemption import parse_modes
         parse_modes(args.preemption_modes)  # refused before any work
@@ -253,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         results["kvcache"] = run_kvcache(args, work, str(device))
     if args.baseline == "hf":
-        sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
+        sizes = positive_ints("--hf-batch-sizes", args.hf_batch_sizes)
         by_size = {bs: run_hf(args.model, work, bs, str(device), dtype) for bs in sizes}
         best = max(by_size.values(), key=lambda r: r["output_tokens_per_s"])
         results["hf"] = dict(best, by_batch_size={str(k): v for k, v in by_size.items()})
