@@ -66,7 +66,7 @@ class ModelRunner:
             slot = start - seq.num_evicted
             specs.append(seq_chunk(seq.seq_id, tokens, slot, self.kv.block_tables[seq.seq_id], last,
                                    self.kv.private_blocks.get(seq.seq_id, []), seq.eviction))
-            if prompt_logprobs.want_every_row(seq, specs[-1]):
+            if seq.params.prompt_logprobs is not None and prompt_logprobs.want_every_row(seq, specs[-1]):
                 every_row[len(specs) - 1] = last
             if last:
                 if seq.draft:  # a speculating decode: every proposed token is verified, each row as a decode
