@@ -40,7 +40,8 @@ class SamplingParams:
     logprobs: how many most likely tokens' log probabilities to return per step, besides the
         sampled token's; 0 returns only the sampled token's, None returns none.
     prompt_logprobs: the same for every prompt token after the first (each given the tokens before it; vLLM's
-        field): the prompt is computed in full, without the prefix cache's blocks (logits only come from a forward).
+        field): the prompt is computed in full, without the prefix cache's blocks (logits only come from a forward),
+        at most max_num_seqs of such rows a step with chunked prefill (scheduler.py).
     skip_special_tokens: leave special tokens out of the detokenized text.
     """
 

@@ -61,6 +61,7 @@ class Scheduler:
         self._found: dict[int, tuple[int, list[bytes]]] = {}  # seq -> (first block, payloads) found, not yet admitted
         self.swap = config.preemption_mode == "swap" and offload is not None and offload.swap_tier is not None
         self._swapped: dict[int, Swapped] = {}  # seq_id -> what it swapped out, while it waits
+        self._logit_rows: int | None = None  # this step's prompt-logprob rows left (schedule sets it)
         self.num_swapped_out = 0  # preemptions that swapped the sequence out
         self.num_swapped_in = 0  # of those, resumed from the swapped contents
         self.num_swap_fallbacks = 0  # swap preemptions recomputed instead (the tier had no room, or a read failed)
@@ -150,6 +151,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[int, int] = {}
+        # Rows whose logits prompt logprobs add to the step's: at most max_num_seqs, the LM head rows start-up sized
+        # the activations for (with chunked prefill; without it a prompt goes whole)
+        self._logit_rows = self.config.max_num_seqs if self.config.enable_chunked_prefill else None
         # Decodes before unfinished prefills, each group in admission order.
         order = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
         for seq in order:
@@ -160,7 +164,9 @@ class Scheduler:
             pending = seq.num_tokens - seq.num_computed_tokens
             if seq.draft:  # a speculating decode: its last token and as much of its proposal as the budget takes
                 seq.draft = seq.draft[:max(0, budget - pending)]
-            n = min(pending + len(seq.draft), budget)
+            n = self._logit_cap(seq, min(pending + len(seq.draft), budget))
+            if n == 0:
+                continue  # its prompt's logits wait for the next step
             while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens - seq.num_evicted + n):
                 if seq.draft:  # a proposal never preempts anyone: drop it first
                     n -= len(seq.draft)
@@ -175,11 +181,21 @@ class Scheduler:
             else:
                 scheduled[seq.seq_id] = n
                 budget -= n
+                self._take_logit_rows(seq, n)
         if not out.preempted or not scheduled:  # after preempting everything, restart from the queue
             budget = self._admit(scheduled, budget)
         by_id = {s.seq_id: s for s in self.running}
         out.chunks = [(by_id[i], n) for i, n in scheduled.items()]
         return out
+
+    def _logit_cap(self, seq: Sequence, n: int) -> int:
+        """`n` tokens, or fewer for a sequence whose prompt rows all go through the LM head (prompt logprobs) when
+        the step's rows for them are spent."""
+        return n if self._logit_rows is None or not seq.wants_prompt_logits else min(n, self._logit_rows)
+
+    def _take_logit_rows(self, seq: Sequence, n: int) -> None:
+        if self._logit_rows is not None and seq.wants_prompt_logits:
+            self._logit_rows -= n
 
     def _admit(self, scheduled: dict[int, int], budget: int) -> int:
         lpm = (self.config.scheduling_policy == "lpm" and self.kv.prefix_caching is not None
@@ -212,7 +228,9 @@ class Scheduler:
                 cached = (len(prefix) + len(loaded)) * bs
             slots = cached - seq.num_evicted  # a swapped sequence keeps what eviction left
             remaining = seq.num_tokens - cached
-            n = min(remaining, budget)
+            n = self._logit_cap(seq, min(remaining, budget))
+            if n == 0:
+                break
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
             # Gate: keep a reserve for running sequences to grow into, so admitting this
@@ -256,6 +274,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled[seq.seq_id] = n
             budget -= n
+            self._take_logit_rows(seq, n)
             if first_new is not None:
                 computing.add(first_new)
         return budget

@@ -90,6 +90,32 @@ def test_preempted_sequences_record_each_entry_once(tiny_llama, reference):
         _assert_entries(o.prompt_logprobs, want)
 
 
+def test_a_step_takes_at_most_max_num_seqs_prompt_rows_through_the_lm_head(tiny_llama, reference, monkeypatch):
+    """The activations start-up sizes count max_num_seqs rows of logits: prompts whose every row needs them are
+    cut to that many rows a step (together), the others are not, and every entry still matches."""
+    from kvcache.engine import model_runner
+    rows = []
+    real = model_runner.ModelRunner._forward
+
+    def spy(self, specs, *a, **k):
+        rows.append(sum(c.num_logits for c in specs if c.needs_logits and c.num_logits > 1))
+        return real(self, specs, *a, **k)
+    monkeypatch.setattr(model_runner.ModelRunner, "_forward", spy)
+    llm = LLM(tiny_llama, kv_cache_memory="4MiB", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    prompts = [_prompt(30, 40 + i) for i in range(3)]
+    plain = _prompt(50, 50)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts + [plain]],
+                        [SamplingParams(max_tokens=2, prompt_logprobs=1)] * 3 + [SamplingParams(max_tokens=2)],
+                        use_tqdm=False)
+    assert max(rows) == 8 and len([r for r in rows if r]) >= 3 * 30 // 8
+    for p, o in zip(prompts, outs):  # each prompt token's own logprob (K of the reference's top entries aside)
+        assert len(o.prompt_logprobs) == len(p)
+        _assert_entries([None] + [{t: e[t]} for t, e in zip(p[1:], o.prompt_logprobs[1:])],
+                        [None] + [{t: d[t]} for t, d in zip(p[1:], reference(p)[1:])])
+    assert outs[3].prompt_logprobs is None
+
+
 @pytest.mark.parametrize("value", [-1, 21, 1.5, "3"])
 def test_bad_prompt_logprobs_are_refused(value):
     with pytest.raises((ValueError, TypeError), match="prompt_logprobs"):
