@@ -156,13 +156,17 @@ def _kivi_prefill(out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torc
     """KIVI's prefill attention with the causal kernel, one key group of queries at a time: a query attends to the
     dequantized keys of the groups before its own and to the full-precision (fp16) keys of its own group's positions
     up to its own; values dequantized throughout. `ks`, `vs` [context, KVH, D] as the blocks hold them (a group not
-    yet complete holds stale keys, never read here); `full` the fp16 keys of positions [p.full_start, context)."""
+    yet complete holds stale keys, never read here); `full` the fp16 keys of positions [p.full_start, context).
+    `ks` is the step's own dequantized copy: each group's rows take its fp16 keys while it is attended, then their
+    dequantized values back for the groups after it (no copy of the growing prefix per group)."""
     ctx, first = p.context_len, p.context_len - p.length
     for g0 in range(first - first % group, ctx, group):
         a, b = max(first, g0), min(ctx, g0 + group)
-        keys = torch.cat([ks[:g0], full[g0 - p.full_start:b - p.full_start]])
+        kept = ks[g0:b].clone()
+        ks[g0:b] = full[g0 - p.full_start:b - p.full_start]
         rows = slice(p.start + a - first, p.start + b - first)
-        cpu_kernel.prefill_attention(out[rows], q[rows], keys, vs[:b], scale)
+        cpu_kernel.prefill_attention(out[rows], q[rows], ks[:b], vs[:b], scale)
+        ks[g0:b] = kept
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -229,8 +229,7 @@ def run_hf(model_path: str | None, work: Workload, batch_size: int, device: str,
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.baseline == "hf":
-        positive_ints("--hf-batch-sizes", args.hf_batch_sizes)  # refused before any work
+    sizes = positive_ints("--hf-batch-sizes", args.hf_batch_sizes) if args.baseline == "hf" else []  # before any work
     if args.preemption_modes:
         from kvcache.bench.preemption import parse_modes
         parse_modes(args.preemption_modes)  # refused before any work
@@ -269,7 +268,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         results["kvcache"] = run_kvcache(args, work, str(device))
     if args.baseline == "hf":
-        sizes = positive_ints("--hf-batch-sizes", args.hf_batch_sizes)
         by_size = {bs: run_hf(args.model, work, bs, str(device), dtype) for bs in sizes}
         best = max(by_size.values(), key=lambda r: r["output_tokens_per_s"])
         results["hf"] = dict(best, by_batch_size={str(k): v for k, v in by_size.items()})

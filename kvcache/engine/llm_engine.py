@@ -278,7 +278,7 @@ class LLMEngine(EngineStartup, RequestAdmission, SamplingStep):
             "formula": self._kv_formula(),
             "layer_groups": [{"window": g.window, "layers": list(g.layers)} for g in self.layer_groups],
             "layers_per_block": c.layers_per_block or self.shape.num_layers,
-            "kv_layers": sum(k != "linear" for k in self.shape.layer_kinds),  # the layers that cache K/V
+            "kv_layers": self.shape.num_kv_layers,
             "blocks_per_request": c.blocks_per_request,
             "free_blocks": free, "used_blocks": kv.pool.num_usable - free,
             "usage": 1 - free / kv.pool.num_usable, "peak_used_blocks": self.stats.peak_used_blocks,

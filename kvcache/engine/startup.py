@@ -202,9 +202,9 @@ class EngineStartup:
                  self.model.weight_bytes / 2**30, str(self.dtype).removeprefix("torch.") + (
                      f" with {config.quantization} linear layers" if config.quantization != "none" else ""), self.device, self.backend,
                  why, self.budget)
-        layers = sum(k != "linear" for k in self.shape.layer_kinds)
         log.info("KV cache (%s): %s, %s (%s)%s; maximum concurrency for %s tokens per request: %.2fx", self.kv_dtype,
-                 pool_tokens(c.num_blocks, c.block_size, c.layers_per_block, layers), human(c.total_bytes),
+                 pool_tokens(c.num_blocks, c.block_size, c.layers_per_block, self.shape.num_kv_layers),
+                 human(c.total_bytes),
                  self._kv_formula(),
                  f"; plus {c.seq_blocks} blocks per request for its fp16 key residual" if c.seq_blocks else "",
                  f"{c.max_model_len:,}", c.max_concurrency)

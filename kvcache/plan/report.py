@@ -58,7 +58,7 @@ def build_report(shape: ModelShape, dtype: str, batch: int, seq_len: int, device
             "num_blocks": c.num_blocks, "max_tokens": c.num_tokens, "max_concurrency": c.max_concurrency,
             "max_seq_len_for_batch": device.max_seq_len_for_batch, "seq_blocks": c.seq_blocks,
             "layers_per_block": c.layers_per_block,
-            "attention_layers": sum(g.count for g in layer_groups(device.stage, dtype, tp)), "blocks_per_request": c.blocks_per_request,
+            "attention_layers": device.stage.num_kv_layers, "blocks_per_request": c.blocks_per_request,
             "max_num_seqs": device.max_num_seqs, "gpu_formula": kv_formula(device.stage, dtype, tp),
         })
     return report

@@ -73,6 +73,11 @@ class ModelShape:
     def count(self, kind: LayerKind) -> int:
         return sum(1 for k in self.layer_kinds if k == kind)
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that cache K/V (or a latent): every layer but linear-attention ones."""
+        return self.num_layers - self.count("linear")
+
     def layer_window(self, kind: LayerKind) -> int | None:
         """Tokens a layer of this kind caches at most; None = all of them."""
         return self.sliding_window if kind == "sliding" else None
