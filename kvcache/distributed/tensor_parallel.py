@@ -27,6 +27,7 @@ import datetime
 import logging
 import os
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -390,6 +391,7 @@ class TensorParallel:
         self.closed = False
         self.pending: list[tuple[str, tuple]] = []  # store operations the workers have yet to apply
         self.procs, self.logs = [], []
+        self.log_dir: str | None = None  # the workers' logs; removed at a clean close, kept where a rank failed
         if launched_rank(size) == 0:  # torchrun started every rank (on this node or others): join them
             self._join("env://")
             TensorParallel._open.append(self)
@@ -500,8 +502,20 @@ class TensorParallel:
             except subprocess.TimeoutExpired:
                 pass
         self._kill()
+        self._remove_logs()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _remove_logs(self) -> None:
+        """Delete the workers' log folder once every worker exited with 0; a failed one's log (named in its error)
+        stays, and its place is logged."""
+        if self.log_dir is None:
+            return
+        if all(p.returncode == 0 for p in self.procs):
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+        else:
+            log.warning("tensor-parallel workers' logs kept in %s (exit codes %s)", self.log_dir,
+                        [p.returncode for p in self.procs])
 
     def _kill(self) -> None:
         for p in self.procs:
@@ -550,4 +564,9 @@ class MirroredStore:
 if __name__ == "__main__":  # a worker rank: python -m kvcache.distributed.tensor_parallel RANK SIZE INIT SPEC_JSON
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], WorkerSpec(**json.loads(sys.argv[4])))
-    sys.exit(0)
+    # out without the interpreter's teardown: a C++ thread of the process group's (gloo) still joinable when static
+    # destructors ran aborted the exit now and then ("terminate called without an active exception", code -6)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -2,6 +2,9 @@
 KV heads per rank as the planner counts, a dead rank reported instead of hung on, bad sizes refused with numbers."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -78,6 +81,8 @@ def test_two_ranks_give_one_ranks_tokens(tiny_model_dirs, tp_llm, arch, kv):
 def test_each_rank_holds_the_planners_per_gpu_kv_bytes(tiny_model_dirs, tp_llm):
     path = tiny_model_dirs["llama"]
     two = tp_llm(path)
+    logs = two.engine.tp.log_dir
+    assert os.listdir(logs) == ["rank1.log"]
     info = two.kv_cache_info()
     shape = two.engine.shape  # the whole model's
     assert info["bytes_per_token"] == kv_bytes_per_token(shape, "float32", 2) == kv_bytes_per_token(shape, "float32") // 2
@@ -85,6 +90,8 @@ def test_each_rank_holds_the_planners_per_gpu_kv_bytes(tiny_model_dirs, tp_llm):
     store = two.engine.store
     assert store.nbytes == info["bytes_per_token"] * info["block_size"] * (info["num_blocks"] + 1)
     assert store.k[0].shape[2] == 1  # one of the two KV heads on this rank (the worker checks its own store alike)
+    two.engine.close()
+    assert not os.path.exists(logs)  # every worker exited with 0: nothing left in /tmp
 
 
 def test_a_rank_that_dies_is_reported_not_hung_on(tiny_model_dirs, tp_llm):
@@ -94,6 +101,9 @@ def test_a_rank_that_dies_is_reported_not_hung_on(tiny_model_dirs, tp_llm):
     proc.wait(timeout=10)
     with pytest.raises(EngineDeadError, match=r"tensor-parallel rank 1 \(process \d+\) exited with code -9"):
         two.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    two.engine.close()
+    assert os.path.exists(two.engine.tp.logs[0])  # the dead rank's log, which its error names, stays
+    shutil.rmtree(two.engine.tp.log_dir)
 
 
 def test_bad_sizes_are_refused_before_loading_with_the_numbers(tiny_model_dirs):
