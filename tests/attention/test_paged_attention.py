@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvcache.attention import cpu_kernel
@@ -315,9 +315,12 @@ def test_cpu_kernel_refuses_runs_that_are_not_one_sequence():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 70), cached=st.sampled_from([0, 0, 1, 31, 32, 33, 90]), heads=head_configs,
        head_dim=st.sampled_from([32, 64, 128]), seed=st.integers(0, 2**16))
+@example(n=13, cached=0, heads=(4, 4), head_dim=128, seed=957)  # 2.3e-6: over the 2e-6 once used for every head_dim
 def test_cpu_prefill_kernel_matches_reference(n, cached, heads, head_dim, seed):
     """The C++ causal prefill kernel: the last n of n + cached positions, on views of one q/k/v product (the rows'
-    stride is the product's), across its 16-query and 32-key blocks and their edges."""
+    stride is the product's), across its 16-query and 32-key blocks and their edges. The bound grows with
+    sqrt(head_dim): a score's float32 rounding is a sum of head_dim terms' (the scale keeps the scores themselves
+    O(1)); the largest errors over 200 seeds of each head shape were 1.1e-6, 1.4e-6 and 2.3e-6 at 32, 64, 128."""
     H, KVH = heads
     L = n + cached
     g = torch.Generator().manual_seed(seed)
@@ -325,7 +328,8 @@ def test_cpu_prefill_kernel_matches_reference(n, cached, heads, head_dim, seed):
     q, k, v = qkv[cached:, :H], qkv[:, H:H + KVH], qkv[:, H + KVH:]
     out = torch.empty(n, H, head_dim)
     cpu_kernel.prefill_attention(out, q, k, v, head_dim ** -0.5)
-    torch.testing.assert_close(out.double(), reference(q, k, v, cached, head_dim ** -0.5, None), atol=2e-6, rtol=0)
+    torch.testing.assert_close(out.double(), reference(q, k, v, cached, head_dim ** -0.5, None),
+                               atol=2e-6 * (head_dim / 32) ** 0.5, rtol=0)
 
 
 def test_cpu_prefill_kernel_refuses_what_it_cannot_read():
