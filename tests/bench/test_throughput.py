@@ -224,6 +224,31 @@ def test_bench_preemption_modes_side_by_side(tiny_llama, tmp_path, capsys):
     assert "preemption" in table and "swap" in table and "recompute" in table
 
 
+@pytest.mark.bench
+def test_bench_throughput_repeats_take_turns_and_keep_each_engines_fastest(tiny_llama, tmp_path, capsys, monkeypatch):
+    import kvcache.bench.throughput as tp
+    order = []
+    for name in ("run_kvcache", "run_hf"):
+        real = getattr(tp, name)
+        monkeypatch.setattr(tp, name, lambda *a, _real=real, _name=name, **k: order.append(_name) or _real(*a, **k))
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "throughput", "--model", tiny_llama, "--num-prompts", "4", "--input-len", "8:20",
+               "--output-len", "4:8", "--seed", "3", "--baseline", "hf", "--hf-batch-sizes", "2,4", "--repeats", "3",
+               "--kv-cache-memory", "4MiB", "--device", "cpu", "--json", str(out)])
+    assert rc == 0
+    assert order == ["run_kvcache", "run_hf", "run_hf"] * 3  # in turns, not one engine's runs then the other's
+    r = json.loads(out.read_text())
+    for v in (r["kvcache"], *r["hf"]["by_batch_size"].values()):
+        assert len(v["elapsed_runs_s"]) == 3 and v["elapsed_s"] == min(v["elapsed_runs_s"])
+    best = r["hf"]
+    assert best["output_tokens_per_s"] == max(v["output_tokens_per_s"] for v in r["hf"]["by_batch_size"].values())
+    assert r["speedup"] == pytest.approx(r["kvcache"]["output_tokens_per_s"] / best["output_tokens_per_s"])
+    assert r["speedup_of_medians"] == pytest.approx(sorted(best["elapsed_runs_s"])[1]
+                                                    / sorted(r["kvcache"]["elapsed_runs_s"])[1])
+    table = capsys.readouterr().out
+    assert "each engine's fastest of 3 runs, taken in turns (kvcache " in table and "of the medians" in table
+
+
 def test_bench_preemption_modes_are_checked_first(tiny_llama, capsys):
     for flags in (["--preemption-modes", "swap,evict"], ["--preemption-modes", "swap", "--workload", "multi-turn"]):
         rc = main(["bench", "throughput", "--model", tiny_llama, *flags])
