@@ -377,6 +377,7 @@ struct Decode {
   const int64_t *bt, *cl, *runs;
   int64_t B, H, D, BS, KVH, MAXNB, window, split_blocks;
   float sc, cap;
+  int64_t qs;  // q's row stride (heads packed by D): a view of the q/k/v product is read in place
   int64_t first_block(int64_t b) const { return window > 0 ? std::max<int64_t>(0, cl[b] - window) / BS : 0; }
   int64_t splits(int64_t b) const {  // by the sequence's own length only: a row's arithmetic is its batch's
     const int64_t blocks = (cl[b] - 1) / BS + 1 - first_block(b);
@@ -546,7 +547,7 @@ static void attend_blocks(const Decode& c, Src& src, int64_t b, int64_t R, int64
         const int64_t t1 = end_of(r);
         for (int64_t g = 0; g < G && t1 > t0; ++g) {
           const int64_t h = kh * G + g, i = r * H + h;
-          scores<DC>(s + i * SB, c.q + ((b + r) * H + h) * D, k, stride, t0, t1, c.sc, D);
+          scores<DC>(s + i * SB, c.q + (b + r) * c.qs + h * D, k, stride, t0, t1, c.sc, D);
           pf.step();
         }
       }
@@ -801,13 +802,16 @@ static Decode decode_shape(torch::Tensor out, torch::Tensor q, torch::Tensor blo
                            int64_t split_tokens, torch::Tensor runs) {
   TORCH_CHECK(runs.numel() == 0 || (runs.is_contiguous() && runs.scalar_type() == at::kLong && runs.numel() == q.size(0)),
               "runs: one int64 per row");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.scalar_type() == at::kFloat && out.sizes() == q.sizes());
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && (q.size(1) == 1 || q.stride(1) == q.size(2)) &&
+              (q.size(0) == 1 || q.stride(0) >= q.size(1) * q.size(2)) &&
+              out.is_contiguous() && q.scalar_type() == at::kFloat && out.sizes() == q.sizes(),
+              "paged_decode: q [B, H, D] float32 with heads packed by D (any row stride), out contiguous like q");
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous() && block_tables.size(0) == q.size(0) &&
               context_lens.numel() == q.size(0) && q.size(1) % kv_heads == 0 && split_tokens > 0);
   return Decode{out.data_ptr<float>(), q.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
                 context_lens.data_ptr<int64_t>(), runs.numel() ? runs.data_ptr<int64_t>() : nullptr, q.size(0), q.size(1), q.size(2), block_size, kv_heads,
                 block_tables.size(1), window, std::max<int64_t>(1, split_tokens / block_size), (float)scale,
-                (float)softcap};
+                (float)softcap, q.stride(0)};
 }
 
 void paged_decode_quant(torch::Tensor out, torch::Tensor q, torch::Tensor raw, std::vector<int64_t> offsets,
@@ -872,7 +876,8 @@ load = native.Kernels("kvcache_cpu_attention", _SOURCE, ["paged_decode", "paged_
 def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None,
                  softcap: float | None = None, runs: torch.Tensor | None = None) -> None:
-    """out[b] = attention of q[b] ([B, H, D]) over the first context_lens[b] tokens of its block table; scores
+    """out[b] = attention of q[b] ([B, H, D], heads packed by D, rows of any stride: a view of the q/k/v product is
+    read where it is) over the first context_lens[b] tokens of its block table; scores
     soft-capped (c * tanh(s / c)) with `softcap`. `runs` (int64 [B], DecodeGroup.runs): runs[b] rows from b on are
     consecutive positions of one sequence (0 inside a run), attended together: each block is read once for all of
     them, and each row's output is what it would be alone."""

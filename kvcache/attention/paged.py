@@ -72,7 +72,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
             continue
         if batch.decode_kernel:
             o = out if whole else ws.get("decode_out", (g.rows.numel(), H, D), q)
-            qg = q.contiguous() if whole else q.index_select(0, g.rows)
+            # whole: q as it is where its heads are packed (the kernel takes any row stride), not copied every layer
+            qg = (q if q.stride(2) == 1 and q.stride(1) == D else q.contiguous()) if whole else q.index_select(0, g.rows)
             if store.exact:
                 cpu_kernel.paged_decode(o, qg, store.k[layer], store.v[layer], table, lens, scale, window, softcap,
                                         g.runs)

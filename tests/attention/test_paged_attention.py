@@ -152,6 +152,32 @@ def test_cpu_kernel_row_does_not_depend_on_its_batch():
     torch.testing.assert_close(together[0], out, atol=1e-5, rtol=1e-5)
 
 
+def test_cpu_kernel_reads_q_in_place_from_the_qkv_product():
+    """The decode kernel takes q as a view of the q/k/v product (rows strided, heads packed), as the layers hand it
+    over, with the same floats as from a contiguous copy, over float32 and a quantized store; q whose heads are not
+    packed is refused, naming what it needs."""
+    from kvcache.store.quantized_store import QuantizedKVStore
+    g = torch.Generator().manual_seed(11)
+    bs, kvh, heads, d = 16, 2, 6, 64
+    lens = torch.tensor([40, 1, 17])
+    tables = torch.tensor([[1, 2, 3], [4, 0, 0], [5, 6, 0]])
+    k, v = torch.randn(7, bs, kvh, d, generator=g), torch.randn(7, bs, kvh, d, generator=g)
+    qkv = torch.randn(3, heads + 2 * kvh, d, generator=g)
+    q = qkv[:, :heads]
+    assert not q.is_contiguous()
+    store = QuantizedKVStore(1, 7, bs, kvh, d, "int8")
+    store.write(0, torch.arange(7 * bs), k.flatten(0, 1), v.flatten(0, 1))
+    for call in (lambda o, x: cpu_kernel.paged_decode(o, x, k, v, tables, lens, 0.125, None),
+                 lambda o, x: cpu_kernel.paged_decode_quant(o, x, store, 0, tables, lens, 0.125, None, None)):
+        strided, packed = torch.empty(3, heads, d), torch.empty(3, heads, d)
+        call(strided, q)
+        call(packed, q.contiguous())
+        assert torch.equal(strided, packed)
+    with pytest.raises(RuntimeError, match="heads packed by D"):
+        cpu_kernel.paged_decode(torch.empty(3, heads, d), torch.randn(heads, 3, d).transpose(0, 1), k, v, tables,
+                                lens, 0.125, None)
+
+
 def _check_case(seqs, block_size, heads, head_dim, window, seed, kernel, softcap=None):
     h, kvh = heads
     out, ref, batch = run_case(seqs, block_size, h, kvh, head_dim, window, seed, kernel=kernel, softcap=softcap)
