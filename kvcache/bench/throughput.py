@@ -13,8 +13,8 @@ import argparse
 import gc
 import json
 import os
-import threading
 import statistics
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import fields

@@ -541,11 +541,12 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 constexpr int64_t PANEL = 32, PANEL_CHUNK = 128, PANEL_X_BYTES = 512 << 10;
 
 // Lines of the next panel read ahead while this one is multiplied: `lines` cache lines from `at`, spread evenly over
-// a call's K inputs (tick once per input). At 17-64 rows (3-8 row blocks a panel) a panel's first row block had
-// waited on DRAM while the others ran from cache; with the next panel's lines shared out among this panel's blocks
-// the weights stream in under the arithmetic: 24-32 rows 1.06-1.09x, 48-64 rows 1.02-1.04x, the demo's layers from
-// DRAM, 2 Zen 4 cores. At 1-16 rows (memory-bound; the hardware prefetcher keeps up) it was 0.88-0.96x, and into
-// L2 only (_MM_HINT_T1) 0.94-0.98x: neither is done.
+// a call's K inputs (tick once per input). With 3-8 row blocks a panel (17-64 rows in AVX-512's blocks of 8, 13-48
+// in AVX2's of 6), a panel's first row block had waited on DRAM while the others ran from cache; with the next
+// panel's lines shared out among this panel's blocks, the weights stream in under the arithmetic. Measured with
+// AVX-512 (the demo's layers from DRAM, 2 Zen 4 cores): 24-32 rows 1.06-1.09x, 48-64 rows 1.02-1.04x. At 1-16 rows
+// (memory-bound; the hardware prefetcher keeps up) it was 0.88-0.96x, and into L2 only (_MM_HINT_T1) 0.94-0.98x:
+// neither is done.
 struct PanelAhead {
   const char* at = nullptr;
   int64_t lines = 0, K = 1, due = 0, left = 0;
