@@ -348,7 +348,7 @@ def _print_table(r: dict) -> None:
               f"at {roof['bandwidth_gbs']:.1f} GB/s): {d['x_roofline']:.2f}x")
     runs = r["kvcache"].get("elapsed_runs_s", [])
     if len(runs) > 1:
-        spread = "; ".join(f"{name} {min(v['elapsed_runs_s']):.1f}-{max(v['elapsed_runs_s']):.1f} s" for name, v in rows)
+        spread = "; ".join(f"{name} {min(v['elapsed_runs_s']):.2f}-{max(v['elapsed_runs_s']):.2f} s" for name, v in rows)
         print(f"each engine's fastest of {len(runs)} runs, taken in turns ({spread})")
     if "speedup" in r:
         medians = f"; of the medians {r['speedup_of_medians']:.2f}x" if len(runs) > 1 else ""
