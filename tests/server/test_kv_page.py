@@ -4,6 +4,7 @@ itself in headless Chromium against a live server with running requests."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import threading
 import time
@@ -188,7 +189,10 @@ def test_the_page_in_a_headless_browser(slow_live, tmp_path):
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):
         opts.add_argument(arg)
     opts.binary_location = shutil.which("chromium")
-    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=shutil.which("chromedriver")))
+    # Chromium's singleton socket folder (org.chromium.Chromium.*) goes under TMPDIR and was left in /tmp by each run
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"),
+                                      env={**os.environ, "TMPDIR": str(tmp_path)})
+    driver = webdriver.Chrome(options=opts, service=service)
     try:
         driver.get(f"{slow_live.url}/kv")
         driver.find_element(By.ID, "key").send_keys(API_KEY)
