@@ -16,6 +16,7 @@ requests, not all of them, which is what routing is for).
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
                     "failed": rep["failed"], "router_decisions": decisions}
         finally:
             stop_replicas(proc)
+    shutil.rmtree(tmp, ignore_errors=True)  # the servers' logs and each workload's JSON; kept where a run failed
     for name, w in results["workloads"].items():
         kv, rr = w["kv-aware"], w["round-robin"]
         w["hit_rate_ratio"] = _ratio(kv["prefix_cache_hit_rate"], rr["prefix_cache_hit_rate"])
