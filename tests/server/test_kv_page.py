@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import tempfile
 import threading
 import time
 
@@ -189,10 +190,16 @@ def test_the_page_in_a_headless_browser(slow_live, tmp_path):
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):
         opts.add_argument(arg)
     opts.binary_location = shutil.which("chromium")
-    # Chromium's singleton socket folder (org.chromium.Chromium.*) goes under TMPDIR and was left in /tmp by each run
+    # Chromium's singleton socket folder (org.chromium.Chromium.*) goes under TMPDIR and was left in /tmp by each run;
+    # a short folder of the test's own (tmp_path under xdist is too long for the socket's path: Chromium exits)
+    scratch = tempfile.mkdtemp(prefix="kvc-chromium-")
     service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"),
-                                      env={**os.environ, "TMPDIR": str(tmp_path)})
-    driver = webdriver.Chrome(options=opts, service=service)
+                                      env={**os.environ, "TMPDIR": scratch})
+    try:
+        driver = webdriver.Chrome(options=opts, service=service)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     try:
         driver.get(f"{slow_live.url}/kv")
         driver.find_element(By.ID, "key").send_keys(API_KEY)
@@ -227,6 +234,7 @@ def test_the_page_in_a_headless_browser(slow_live, tmp_path):
         assert [e for e in errors if not (e["source"] == "network" and "/kv - " in e["message"] and "401" in e["message"])] == []
     finally:
         driver.quit()
+        shutil.rmtree(scratch, ignore_errors=True)
         hub.interval_s = 1.0
 
 
