@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,13 +40,18 @@ def test_a_two_rank_server_serves_one_ranks_tokens_and_exits_when_a_rank_dies(ti
         assert text == ref[0].outputs[0].text
         assert got.usage.completion_tokens == 12
         pid = int(re.search(r"ranks 1-1 are processes (\d+)", log_path.read_text()).group(1))
+        rank_logs = re.search(r"\(logs in (\S+)\)", log_path.read_text()).group(1)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(openai.APIStatusError) as e:
             client.completions.create(model="tiny", prompt=prompt, max_tokens=4)
         assert e.value.status_code == 503
         assert proc.wait(timeout=30) == ENGINE_DEAD_STATUS
         assert "tensor-parallel rank 1" in log_path.read_text()
+        assert os.path.exists(os.path.join(rank_logs, "rank1.log"))  # the dead rank's log stays for its user
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        found = re.search(r"\(logs in (\S+)\)", log_path.read_text())
+        if found:  # this test's own litter
+            shutil.rmtree(found.group(1), ignore_errors=True)
