@@ -541,18 +541,17 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 constexpr int64_t PANEL = 32, PANEL_CHUNK = 128, PANEL_X_BYTES = 512 << 10;
 
 // Lines of the next panel read ahead while this one is multiplied: `lines` cache lines from `at`, spread evenly over
-// a call's K inputs (tick once per input). With 3-8 row blocks a panel (17-64 rows in AVX-512's blocks of 8, 13-48
-// in AVX2's of 6), a panel's first row block had waited on DRAM while the others ran from cache; with the next
-// panel's lines shared out among this panel's blocks, the weights stream in under the arithmetic. Measured with
-// AVX-512 (the demo's layers from DRAM, 2 Zen 4 cores): 24-32 rows 1.06-1.09x, 48-64 rows 1.02-1.04x. At 1-16 rows
-// (memory-bound; the hardware prefetcher keeps up) it was 0.88-0.96x, and into L2 only (_MM_HINT_T1) 0.94-0.98x:
-// neither is done.
+// a call's K inputs (tick once per input: K ticks issue exactly `lines`). With 3-8 row blocks a panel (17-64 rows in
+// AVX-512's blocks of 8, 13-48 in AVX2's of 6), a panel's first row block had waited on DRAM while the others ran
+// from cache; with the next panel's lines shared out among this panel's blocks, the weights stream in under the
+// arithmetic. Measured with AVX-512 (the demo's layers from DRAM, 2 Zen 4 cores): 24-32 rows 1.06-1.09x, 48-64 rows
+// 1.02-1.04x. At 1-16 rows (memory-bound; the hardware prefetcher keeps up) it was 0.88-0.96x, and into L2 only
+// (_MM_HINT_T1) 0.94-0.98x: neither is done.
 struct PanelAhead {
   const char* at = nullptr;
-  int64_t lines = 0, K = 1, due = 0, left = 0;
+  int64_t lines = 0, K = 1, due = 0;
   inline void tick() {
-    if (left <= 0) return;
-    for (due += lines; due >= K && left > 0; due -= K, at += 64, --left) _mm_prefetch(at, _MM_HINT_T0);
+    for (due += lines; due >= K; due -= K, at += 64) _mm_prefetch(at, _MM_HINT_T0);
   }
 };
 
@@ -617,7 +616,7 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
     for (int64_t k0 = 0; k0 < K; k0 += PANEL_CHUNK) {
       for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       for (int64_t k = k0; k < std::min(K, k0 + PANEL_CHUNK); ++k) {
-        ahead.tick();
+        if (half == 0) ahead.tick();  // the panel's lines over the first half's K inputs
         const __m256 w0 = _mm256_loadu_ps(wh + k * PANEL), w1 = _mm256_loadu_ps(wh + k * PANEL + 8);
 #pragma GCC unroll 6
         for (int r = 0; r < MR; ++r) {
@@ -689,7 +688,7 @@ void panel_linear(torch::Tensor out, torch::Tensor x, torch::Tensor wp) {
           const int64_t m0 = c0 + i * PANEL_ROWS, l0 = lines * i / blocks, l1 = lines * (i + 1) / blocks;
           PanelAhead ahead;  // the thread's next panel, its lines shared out among this panel's row blocks
           if (p + 1 < end && blocks >= 3 && blocks <= 8)
-            ahead = {(const char*)(w + (p + 1) * K * PANEL) + l0 * 64, l1 - l0, K, 0, l1 - l0};
+            ahead = {(const char*)(w + (p + 1) * K * PANEL) + l0 * 64, l1 - l0, K, 0};
           panel_block<PANEL_ROWS>(std::min<int64_t>(PANEL_ROWS, M - m0), xp + m0 * K, K, w + p * K * PANEL, K,
                                   op + m0 * N + p * PANEL, N, cols, ahead);
         }

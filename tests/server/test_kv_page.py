@@ -195,12 +195,9 @@ def test_the_page_in_a_headless_browser(slow_live, tmp_path):
     scratch = tempfile.mkdtemp(prefix="kvc-chromium-")
     service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"),
                                       env={**os.environ, "TMPDIR": scratch})
+    driver = None
     try:
         driver = webdriver.Chrome(options=opts, service=service)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    try:
         driver.get(f"{slow_live.url}/kv")
         driver.find_element(By.ID, "key").send_keys(API_KEY)
         driver.find_element(By.ID, "login").submit()
@@ -233,7 +230,8 @@ def test_the_page_in_a_headless_browser(slow_live, tmp_path):
         # the one expected: the first GET /kv, answered 401 with the login form
         assert [e for e in errors if not (e["source"] == "network" and "/kv - " in e["message"] and "401" in e["message"])] == []
     finally:
-        driver.quit()
+        if driver is not None:
+            driver.quit()
         shutil.rmtree(scratch, ignore_errors=True)
         hub.interval_s = 1.0
 
