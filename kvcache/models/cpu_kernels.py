@@ -546,7 +546,9 @@ constexpr int64_t PANEL = 32, PANEL_CHUNK = 128, PANEL_X_BYTES = 512 << 10;
 // from cache; with the next panel's lines shared out among this panel's blocks, the weights stream in under the
 // arithmetic. Measured with AVX-512 (the demo's layers from DRAM, 2 Zen 4 cores): 24-32 rows 1.06-1.09x, 48-64 rows
 // 1.02-1.04x. At 1-16 rows (memory-bound; the hardware prefetcher keeps up) it was 0.88-0.96x, and into L2 only
-// (_MM_HINT_T1) 0.94-0.98x: neither is done.
+// (_MM_HINT_T1) 0.94-0.98x: neither is done. Each block gets a share in proportion to its rows: with equal shares a
+// last block of 1-2 rows issued a quarter of the lines in a tenth of the time (the MLP's GEMMs at 23 rows: 165 ->
+// 204 GFLOP/s, 26 rows 187 -> 203, with the 7-row fix in panel_rows).
 struct PanelAhead {
   const char* at = nullptr;
   int64_t lines = 0, K = 1, due = 0;
@@ -582,7 +584,8 @@ constexpr int PANEL_ROWS = 8;
 template <int MR>
 static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
                               int64_t cols, PanelAhead ahead) {
-  __m512 acc[MR][2], sum[MR][2];
+  __m512 acc[MR][2];
+  alignas(64) float sum[MR][2][16];
   for (int64_t k0 = 0; k0 < K; k0 += PANEL_CHUNK) {
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = k0; k < std::min(K, k0 + PANEL_CHUNK); ++k) {
@@ -595,14 +598,19 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
         acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
       }
     }
-    for (int r = 0; r < MR; ++r)  // the chunks' sums in order (registers the compiler spills to the stack)
-      for (int h = 0; h < 2; ++h) sum[r][h] = k0 == 0 ? acc[r][h] : _mm512_add_ps(sum[r][h], acc[r][h]);
+    for (int r = 0; r < MR; ++r)  // the chunks' sums in order
+      for (int h = 0; h < 2; ++h)
+        _mm512_store_ps(sum[r][h], k0 == 0 ? acc[r][h] : _mm512_add_ps(_mm512_load_ps(sum[r][h]), acc[r][h]));
+    // At 7 rows GCC kept the 28 sums in registers and moved the two weight vectors to the stack instead, reloading
+    // them for every FMA (105 GFLOP/s against 220 at 6 and 8 rows, from cache): the barrier keeps the sums in
+    // memory. At 8 rows it cost 6% (the compiler's own choice, spilling sums, is better there), so 7 only.
+    if constexpr (MR == 7) asm volatile("" : : "r"(&sum[0][0][0]) : "memory");
   }
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
   for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(out + r * ldo, m0, sum[r][0]);
-    _mm512_mask_storeu_ps(out + r * ldo + 16, m1, sum[r][1]);
+    _mm512_mask_storeu_ps(out + r * ldo, m0, _mm512_load_ps(sum[r][0]));
+    _mm512_mask_storeu_ps(out + r * ldo + 16, m1, _mm512_load_ps(sum[r][1]));
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -685,8 +693,9 @@ void panel_linear(torch::Tensor out, torch::Tensor x, torch::Tensor wp) {
         const int64_t cols = std::min(PANEL, N - p * PANEL), rows = std::min(M, c0 + chunk) - c0;
         const int64_t blocks = (rows + PANEL_ROWS - 1) / PANEL_ROWS, lines = K * PANEL * 4 / 64;
         for (int64_t i = 0; i < blocks; ++i) {
-          const int64_t m0 = c0 + i * PANEL_ROWS, l0 = lines * i / blocks, l1 = lines * (i + 1) / blocks;
-          PanelAhead ahead;  // the thread's next panel, its lines shared out among this panel's row blocks
+          const int64_t m0 = c0 + i * PANEL_ROWS, l0 = lines * (m0 - c0) / rows;
+          const int64_t l1 = lines * std::min(rows, m0 - c0 + PANEL_ROWS) / rows;
+          PanelAhead ahead;  // the thread's next panel, its lines shared out among this panel's row blocks by rows
           if (p + 1 < end && blocks >= 3 && blocks <= 8)
             ahead = {(const char*)(w + (p + 1) * K * PANEL) + l0 * 64, l1 - l0, K, 0};
           panel_block<PANEL_ROWS>(std::min<int64_t>(PANEL_ROWS, M - m0), xp + m0 * K, K, w + p * K * PANEL, K,
