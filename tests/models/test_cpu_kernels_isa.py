@@ -174,3 +174,18 @@ def test_pack_panels_zeroes_the_padding_and_refuses_a_wrong_output(kernels):
                 torch.empty(2, 8, 32, dtype=torch.float64)):
         with pytest.raises(RuntimeError, match="pack_panels: out must be"):
             kernels.pack_panels(w, bad)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (7, 1536), (40, 1536), (3, 48), (5, 24), (2, 17), (1, 1)])
+def test_silu_mul_is_atens_silu_then_mul(kernels, rows, inter):
+    """The fused MLP's SiLU(gate) * up gives ATen's very floats: its vector part (rows of 1,536, and the 32 of 48)
+    and its scalar tail (24, 17, 1 and the last 16 of 48), extremes included."""
+    g = torch.Generator().manual_seed(rows * 1000 + inter)
+    gu = torch.randn(rows, 2 * inter, generator=g) * 8
+    extremes = torch.tensor([0.0, -0.0, 88.7, -88.7, 1e-30, -104.0, 30.0, -30.0])[:inter]
+    gu[0, :len(extremes)] = extremes
+    act = torch.full((rows, inter), float("nan"))
+    kernels.silu_mul(act, gu)
+    assert torch.equal(act, torch.nn.functional.silu(gu[:, :inter]).mul_(gu[:, inter:]))
+    with pytest.raises(RuntimeError, match="silu_mul: gu"):
+        kernels.silu_mul(torch.empty(rows, inter + 1), gu)
