@@ -373,7 +373,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=20.0, help="duration of one decode iteration")
     p.add_argument("--scenario", choices=["seed"], default=None,
-                   help="seed: 3, 2.3 and 4.5 GB requests, free the 2.3, then ask for 7.5 GB")
+                   help="seed: 3, 2.3 and 4.5 GiB requests, free the 2.3, then ask for 7.5 GiB")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="print JSON instead of the table, or write it to PATH")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw utilization over time for every allocator")

@@ -265,11 +265,11 @@ class SeedScenario:
 
 
 def _gb(nbytes: int) -> str:
-    return f"{nbytes / GIB:.1f} GB"
+    return f"{nbytes / GIB:.1f} GiB"
 
 
 def _span(r: tuple[int, int]) -> str:
-    return f"[{r[0] / GIB:.1f}, {r[1] / GIB:.1f}) GB"
+    return f"[{r[0] / GIB:.1f}, {r[1] / GIB:.1f}) GiB"
 
 
 def _seed_why(a: Allocator, out: ScenarioOutcome, new_bytes: int, reserve_bytes: int) -> str:
@@ -305,8 +305,8 @@ def seed_scenario(pool_gb: float = 80.0, sizes_gb: tuple[float, ...] = (3.0, 2.3
                   reserve_gb: float = 8.0) -> SeedScenario:
     """Allocate `sizes_gb` in order, free request `free_index`, then try a `new_gb` request, on a contiguous
     first-fit allocator, a paged one and reserve-max (each request reserves `reserve_gb`, i.e.
-    max_model_len x bytes_per_token). GB here are GiB (2**30 bytes): at Llama-3-8B's 131,072 bytes/token
-    (bf16) 1 GB is 8,192 tokens, whole blocks of 16, so the numbers add up exactly."""
+    max_model_len x bytes_per_token). Sizes are GiB (2**30 bytes; the `_gb` names are the seeds'): at Llama-3-8B's
+    131,072 bytes/token (bf16) 1 GiB is 8,192 tokens, whole blocks of 16, so the numbers add up exactly."""
     if not 0 <= free_index < len(sizes_gb):
         raise ValueError(f"free_index {free_index} is not one of the {len(sizes_gb)} requests")
     pool = int(pool_gb * GIB) // bytes_per_token
@@ -317,9 +317,9 @@ def seed_scenario(pool_gb: float = 80.0, sizes_gb: tuple[float, ...] = (3.0, 2.3
     allocators: list[Allocator] = [ContiguousExact(pool), Paged(pool, block_size),
                                    ReserveMax(pool, tokens(reserve_gb))]
     outcomes = []
-    lines = [f"Pool {pool_gb:g} GB = {pool:,} tokens x {bytes_per_token:,} bytes/token. Allocate "
-             f"{', '.join(f'{g:g}' for g in sizes_gb)} GB, free the {sizes_gb[free_index]:g} GB one, "
-             f"then ask for {new_gb:g} GB."]
+    lines = [f"Pool {pool_gb:g} GiB = {pool:,} tokens x {bytes_per_token:,} bytes/token. Allocate "
+             f"{', '.join(f'{g:g}' for g in sizes_gb)} GiB, free the {sizes_gb[free_index]:g} GiB one, "
+             f"then ask for {new_gb:g} GiB."]
     for a in allocators:
         placements = []
         for i, gb in enumerate([*sizes_gb, new_gb]):
@@ -345,9 +345,9 @@ def seed_scenario(pool_gb: float = 80.0, sizes_gb: tuple[float, ...] = (3.0, 2.3
         for p in placements:
             where = (_span(p.range_bytes) if p.range_bytes else
                      f"{p.blocks:,} blocks" if p.blocks else "refused")
-            lines.append(f"  {p.size_gb:g} GB -> {where}{' (freed)' if p.freed else ''}")
+            lines.append(f"  {p.size_gb:g} GiB -> {where}{' (freed)' if p.freed else ''}")
         if holes:
             lines.append("  holes: " + ", ".join(_span(h) for h in holes))
         lines.append(f"  free {_gb(free)}, largest free run {_gb(largest)}")
-        lines.append(f"  {new_gb:g} GB request: {out.why}")
+        lines.append(f"  {new_gb:g} GiB request: {out.why}")
     return SeedScenario(pool * bytes_per_token, bytes_per_token, block_size, outcomes, "\n".join(lines))

@@ -331,7 +331,7 @@ def test_simulate_seed_scenario_default_80gb(capsys):
     rc, out, err = run(capsys, "simulate", "--scenario", "seed")
     assert rc == 0, err
     assert out.startswith("Pool 80 GB = 655,360 tokens x 131,072 bytes/token.")
-    assert "free the 2.3 GB one, then ask for 7.5 GB" in out
+    assert "free the 2.3 GiB one, then ask for 7.5 GiB" in out
     assert "contiguous:" in out and "paged-16:" in out and "reserve-max:" in out
     assert "refused" not in out  # 80 GB: everything fits somewhere
     assert "hole before it is too small" in out

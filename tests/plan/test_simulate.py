@@ -29,10 +29,10 @@ def test_seed_scenario_80gb_everything_fits_but_contiguous_cannot_reuse_the_hole
     assert contiguous.placements[1].freed
     assert [tuple(map(gb, h)) for h in contiguous.holes_bytes] == [(3.0, 5.3), (9.8, 80.0)]
     assert gb(contiguous.free_bytes) == 72.5 and gb(contiguous.largest_free_run_bytes) == 70.2
-    assert contiguous.new_fits and "2.3 GB hole" in contiguous.why
+    assert contiguous.new_fits and "2.3 GiB hole" in contiguous.why
     assert paged.new_fits and paged.placements[-1].blocks == 3840 and paged.placements[-1].range_bytes is None
     assert reserve.new_fits and tuple(map(gb, reserve.placements[-1].range_bytes)) == (8.0, 16.0)
-    assert "80 GB" in s.explanation and "paged-16" in s.explanation
+    assert "80 GiB" in s.explanation and "paged-16" in s.explanation
 
 
 def test_seed_scenario_15gb_contiguous_refuses_paged_fits():
@@ -40,7 +40,7 @@ def test_seed_scenario_15gb_contiguous_refuses_paged_fits():
     contiguous, paged, reserve = s.outcomes
     assert not contiguous.new_fits and not contiguous.placements[-1].placed
     assert gb(contiguous.free_bytes) == 7.5 and gb(contiguous.largest_free_run_bytes) == 5.2
-    assert "external fragmentation" in contiguous.why and "5.2 GB" in contiguous.why
+    assert "external fragmentation" in contiguous.why and "5.2 GiB" in contiguous.why
     assert paged.new_fits and gb(paged.free_bytes) == 7.5 and paged.largest_free_run_bytes == paged.free_bytes
     assert "need not be adjacent" in paged.why
     # one 8 GB reservation fits in 15 GB: the 2.3 and 4.5 GB requests are refused, so is the 7.5 GB one
