@@ -330,7 +330,7 @@ def test_simulate_prefix_sharing_row(capsys):
 def test_simulate_seed_scenario_default_80gb(capsys):
     rc, out, err = run(capsys, "simulate", "--scenario", "seed")
     assert rc == 0, err
-    assert out.startswith("Pool 80 GB = 655,360 tokens x 131,072 bytes/token.")
+    assert out.startswith("Pool 80 GiB = 655,360 tokens x 131,072 bytes/token.")
     assert "free the 2.3 GiB one, then ask for 7.5 GiB" in out
     assert "contiguous:" in out and "paged-16:" in out and "reserve-max:" in out
     assert "refused" not in out  # 80 GB: everything fits somewhere
@@ -347,10 +347,10 @@ def test_simulate_seed_scenario_15gib_contiguous_refuses(capsys):
             sections[current] = []
         else:
             sections[current].append(line.strip())
-    assert "7.5 GB -> refused" in sections["contiguous"]
-    assert any(s.startswith("7.5 GB request: refused") and "contiguous" in s for s in sections["contiguous"])
-    assert "7.5 GB -> 3,840 blocks" in sections["paged-16"]
-    assert any(s.startswith("7.5 GB request: fits") for s in sections["paged-16"])
+    assert "7.5 GiB -> refused" in sections["contiguous"]
+    assert any(s.startswith("7.5 GiB request: refused") and "contiguous" in s for s in sections["contiguous"])
+    assert "7.5 GiB -> 3,840 blocks" in sections["paged-16"]
+    assert any(s.startswith("7.5 GiB request: fits") for s in sections["paged-16"])
     r = run_json(capsys, "simulate", "--scenario", "seed", "--kv-cache-memory", "15GiB")
     fits = {o["allocator"]: o["new_fits"] for o in r["outcomes"]}
     assert fits["contiguous"] is False and fits["paged-16"] is True

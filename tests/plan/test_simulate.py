@@ -18,14 +18,14 @@ def gb(nbytes: int) -> float:
     return round(nbytes / GIB, 1)
 
 
-# ---- the seed scenario: 3, 2.3, 4.5 GB; free the 2.3; ask for 7.5 ----
+# ---- the seed scenario: 3, 2.3, 4.5 GiB; free the 2.3; ask for 7.5 ----
 
 def test_seed_scenario_80gb_everything_fits_but_contiguous_cannot_reuse_the_hole():
     s = seed_scenario(80.0)
     contiguous, paged, reserve = s.outcomes
     assert [o.allocator for o in s.outcomes] == ["contiguous", "paged-16", "reserve-max"]
     assert [tuple(map(gb, p.range_bytes)) for p in contiguous.placements] == [
-        (0.0, 3.0), (3.0, 5.3), (5.3, 9.8), (9.8, 17.3)]  # the 7.5 GB request lands after the 4.5 GB one
+        (0.0, 3.0), (3.0, 5.3), (5.3, 9.8), (9.8, 17.3)]  # the 7.5 GiB request lands after the 4.5 GiB one
     assert contiguous.placements[1].freed
     assert [tuple(map(gb, h)) for h in contiguous.holes_bytes] == [(3.0, 5.3), (9.8, 80.0)]
     assert gb(contiguous.free_bytes) == 72.5 and gb(contiguous.largest_free_run_bytes) == 70.2
@@ -43,7 +43,7 @@ def test_seed_scenario_15gb_contiguous_refuses_paged_fits():
     assert "external fragmentation" in contiguous.why and "5.2 GiB" in contiguous.why
     assert paged.new_fits and gb(paged.free_bytes) == 7.5 and paged.largest_free_run_bytes == paged.free_bytes
     assert "need not be adjacent" in paged.why
-    # one 8 GB reservation fits in 15 GB: the 2.3 and 4.5 GB requests are refused, so is the 7.5 GB one
+    # one 8 GiB reservation fits in 15 GiB: the 2.3 and 4.5 GiB requests are refused, so is the 7.5 GiB one
     assert [p.placed for p in reserve.placements] == [True, False, False, False]
     assert not reserve.new_fits
 
