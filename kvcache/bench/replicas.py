@@ -120,9 +120,9 @@ def stop_replicas(proc: subprocess.Popen, leftovers: bool = False, term: bool = 
         proc.wait()
 
 
-def _workload_args(args, name: str, url: str, out: str) -> list[str]:
+def _workload_args(args, name: str, url: str) -> list[str]:
     common = ["--url", url, "--output-len", str(args.output_len), "--max-concurrency", str(args.max_concurrency),
-              "--seed", str(args.seed), "--json", out]
+              "--seed", str(args.seed)]
     if name == "shared-prefix":
         return common + ["--workload", "shared-prefix", "--num-groups", str(args.groups), "--requests-per-group",
                          str(args.users), "--prefix-len", str(args.prefix_len), "--suffix-len", str(args.suffix_len),
@@ -133,8 +133,6 @@ def _workload_args(args, name: str, url: str, out: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     from kvcache.bench import serve as bench_serve
     if args.replicas < 2:
         raise ValueError(f"--replicas must be at least 2 to compare routing, got {args.replicas}")
@@ -147,14 +145,13 @@ def run(args: argparse.Namespace) -> int:
         proc, url = start_replicas(_serve_args(args, policy), os.path.join(tmp, f"{policy}.log"), 600)
         try:
             for name in names:
-                out = os.path.join(tmp, f"{policy}.{name}.json")
                 p = argparse.ArgumentParser()
                 bench_serve.add_args(p)
                 h0, q0 = _hits(url)
-                if bench_serve.run(p.parse_args(_workload_args(args, name, url, out))) != 0:
+                rep = bench_serve.measure(p.parse_args(_workload_args(args, name, url)))
+                if not rep["completed"]:
                     raise RuntimeError(f"no request of {name} completed under {policy} routing")
                 h1, q1 = _hits(url)
-                rep = json.load(open(out))
                 decisions = httpx.get(f"{url}/replicas", timeout=30).json()["decisions"]
                 results["workloads"].setdefault(name, {})[policy] = {
                     "prefix_cache_hit_rate": (h1 - h0) / max(1.0, q1 - q0), "hit_tokens": h1 - h0,
@@ -163,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
                     "failed": rep["failed"], "router_decisions": decisions}
         finally:
             stop_replicas(proc)
-    shutil.rmtree(tmp, ignore_errors=True)  # the servers' logs and each workload's JSON; kept where a run failed
+    shutil.rmtree(tmp, ignore_errors=True)  # the servers' logs; kept where a run failed
     for name, w in results["workloads"].items():
         kv, rr = w["kv-aware"], w["round-robin"]
         w["hit_rate_ratio"] = _ratio(kv["prefix_cache_hit_rate"], rr["prefix_cache_hit_rate"])

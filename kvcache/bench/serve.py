@@ -431,6 +431,14 @@ def _conversations(args: argparse.Namespace) -> tuple[list[Conversation], dict]:
 
 def run(args: argparse.Namespace) -> int:
     """Benchmark the server, print the table, write JSON. 0 if any request completed, 1 if none did."""
+    report = measure(args)
+    if args.json:
+        write_json(args.json, report)
+    return 0 if report["completed"] else 1
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Benchmark the server and print the table; the report (what --json writes)."""
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 requests/s (inf: all at once), got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -455,9 +463,7 @@ def run(args: argparse.Namespace) -> int:
         "requests": [_per_request(r) for r in results],
     }
     _print_table(report)
-    if args.json:
-        write_json(args.json, report)
-    return 0 if report["completed"] else 1
+    return report
 
 
 def _print_table(r: dict) -> None:
