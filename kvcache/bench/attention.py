@@ -3,8 +3,8 @@
 Decode is bound by memory bandwidth: every step reads each sequence's whole K/V. So each backend's time per
 call is turned into the bytes of K/V (and scales) it must read per second, and that into a fraction of the
 device's bandwidth measured in the same run (a large copy, before and after the kernels: the higher of the two, as
-a machine's bandwidth moves between minutes and a fraction of a low reading read over 100%). The portable torch path is the baseline the
-kernels are compared with, as a ratio.
+a machine's bandwidth moves between minutes and a fraction of a low reading read over 100%). The portable torch
+path is the baseline the kernels are compared with, as a ratio.
 """
 from __future__ import annotations
 

@@ -187,5 +187,8 @@ def test_silu_mul_is_atens_silu_then_mul(kernels, rows, inter):
     act = torch.full((rows, inter), float("nan"))
     kernels.silu_mul(act, gu)
     assert torch.equal(act, torch.nn.functional.silu(gu[:, :inter]).mul_(gu[:, inter:]))
-    with pytest.raises(RuntimeError, match="silu_mul: gu"):
-        kernels.silu_mul(torch.empty(rows, inter + 1), gu)
+    strided = torch.empty(inter, rows).t()  # [rows, inter], not contiguous where both exceed 1
+    bad = [(torch.empty(rows, inter + 1), gu), (act, gu[:, 1:]), (act, gu.double()), (act[0], gu)]
+    for bad_act, bad_gu in bad + ([(strided, gu)] if not strided.is_contiguous() else []):
+        with pytest.raises(RuntimeError, match="silu_mul: gu"):
+            kernels.silu_mul(bad_act, bad_gu)
