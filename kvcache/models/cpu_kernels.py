@@ -780,7 +780,7 @@ torch::Tensor attn_in(torch::Tensor residual, c10::optional<torch::Tensor> x, to
 // act [T, I] = silu(gate) * up for gu [T, 2I] = [gate | up], in one pass, rounded as ATen's silu and then mul_ round
 // them: x / (1 + exp(-x)) with the exp ATen's vectorized silu calls (Sleef's, 1 ulp) on the part of a row its loop
 // takes in pairs of registers, std::exp on the rest, then the product. The same floats as at::silu(gate).mul_(up)
-// (tests/models/test_fused_decode.py), without the tensor between them, the second pass and its parallel region:
+// (tests/models/test_cpu_kernels_isa.py), without the tensor between them, the second pass and its parallel region:
 // 22 -> 12 us at 32 rows of the demo's 1,536, 1.58 -> 1.12 ms at 2,048 (GCC leaves a loop of expf scalar without
 // -ffast-math).
 void silu_mul(torch::Tensor act, torch::Tensor gu) {
