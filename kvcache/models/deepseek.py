@@ -36,7 +36,7 @@ from transformers import PretrainedConfig
 
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.attention.paged import Workspace, _attend, gather_blocks, paged_attention
-from kvcache.models.llama import CheckpointReader, Dense, LlamaModel, apply_rope, rms_norm
+from kvcache.models.llama import CheckpointReader, Dense, LlamaModel, apply_rope, rms_norm, select_rows
 
 
 def _positive(cfg: PretrainedConfig, field: str, allow_none: bool = False) -> None:
@@ -230,7 +230,8 @@ class MLALayer(nn.Module):
         return apply_rope(x.to(cos.dtype), cos, sin).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, store, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: ForwardBatch, store, ws: Workspace, rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x if residual is None else residual + x
         h = rms_norm(residual, self.input_norm, self.eps)
         T, H = h.shape[0], self.num_heads
@@ -243,7 +244,8 @@ class MLALayer(nn.Module):
         latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, rank + rope]
         store.write(self.index, batch.slot_mapping, latent, latent, None)
         o = self._attention(q, latent, batch, store, ws)
-        residual = residual + self.o_proj(o.reshape(T, -1))
+        o, residual = select_rows(rows, o, residual)  # the last layer: the logits rows only (DecoderLayer.forward)
+        residual = residual + self.o_proj(o.flatten(1))
         return self.mlp(rms_norm(residual, self.post_norm, self.eps)), residual
 
     def _attention(self, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch, store, ws: Workspace

@@ -25,7 +25,7 @@ from transformers import PretrainedConfig
 
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.attention.paged import Workspace, paged_attention
-from kvcache.models.llama import Dense, DecoderLayer, LlamaModel
+from kvcache.models.llama import Dense, DecoderLayer, LlamaModel, select_rows
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
 
@@ -70,7 +70,8 @@ class GemmaLayer(DecoderLayer):
         return [getattr(self, p) for p in self.NORMS] + ([self.q_norm, self.k_norm] if self.qk_norm else [])
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x if residual is None else residual + x
         h = gemma_rms_norm(residual, self.input_norm, self.eps)
         T, hd, H, KVH = h.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
@@ -86,7 +87,8 @@ class GemmaLayer(DecoderLayer):
             batch.captured_q.append(q.index_select(0, batch.capture_rows))
         src = store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
         o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src, self.softcap)
-        residual = residual + gemma_rms_norm(self.o_proj(o.view(T, -1)), self.post_norm, self.eps)
+        o, residual = select_rows(rows, o, residual)  # the last layer: the logits rows only (DecoderLayer.forward)
+        residual = residual + gemma_rms_norm(self.o_proj(o.flatten(1)), self.post_norm, self.eps)
         gate, up = self.gate_up(gemma_rms_norm(residual, self.pre_ff_norm, self.eps)).chunk(2, dim=-1)
         out = self.down(F.gelu(gate, approximate="tanh").mul_(up))
         return gemma_rms_norm(out, self.post_ff_norm, self.eps), residual

@@ -255,10 +255,15 @@ class DecoderLayer(nn.Module):
         self.fused_any_rows = not any(isinstance(m, Int8Dense) for m in linears)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream) for every row, or, given `rows` (the last layer's
+        logits rows), for those rows only, in their order: every row's K and V are still written and attended with,
+        but the output projection and the MLP run on the rows the LM head reads (as llama.cpp skips a prompt's
+        other rows in its last layer). A row's result does not depend on which other rows are in the batch."""
         if (self.fused is not None and batch.capture_rows is None and FUSED_MAX_ROWS > 0
                 and (x.shape[0] <= FUSED_MAX_ROWS or self.fused_any_rows)):
-            return self._forward_fused(x, residual, cos, sin, batch, store, ws)
+            return self._forward_fused(x, residual, cos, sin, batch, store, ws, rows)
         h, residual = self._add_norm(x, residual, self.input_norm)
         T, hd, H = h.shape[0], self.head_dim, self.num_heads
         qkv = self.qkv(h).view(T, -1, hd)  # [T, H + 2 KVH, hd]
@@ -273,7 +278,8 @@ class DecoderLayer(nn.Module):
             batch.captured_q.append(q.index_select(0, batch.capture_rows))
         src = store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
         o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
-        o = self.o_proj(o.view(T, -1))
+        o, residual = select_rows(rows, o, residual)
+        o = self.o_proj(o.flatten(1))
         if self.tp is not None:  # row-parallel: each rank's heads' share of the projection, summed
             o = self.tp.all_reduce(o)
         h, residual = self._add_norm(o, residual, self.post_norm)
@@ -283,8 +289,8 @@ class DecoderLayer(nn.Module):
 
 
     def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                       batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace,
+                       rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() in two native calls around attention (the same arithmetic)."""
         T, hd, H, KVH = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         w_qkv, w_o, w_gate_up, w_down = self.fused
@@ -297,9 +303,18 @@ class DecoderLayer(nn.Module):
         q, k, v = qkv[:, :H], qkv[:, H:H + KVH], qkv[:, H + KVH:]
         src = None if writes_kv else store.write(self.index, batch.slot_mapping, k, v, batch.kivi)
         o = paged_attention(q, k, v, store, self.index, batch, self.scale, self.window, ws, src)
-        out = self.kernels.mlp(residual, o.view(T, -1), w_o, self.post_norm, self.eps, w_gate_up, w_down,
+        o, residual = select_rows(rows, o, residual)
+        out = self.kernels.mlp(residual, o.flatten(1), w_o, self.post_norm, self.eps, w_gate_up, w_down,
                                self.gate_up.out_features // 2)
         return out, residual
+
+
+def select_rows(rows: torch.Tensor | None, o: torch.Tensor, residual: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's attention output and residual stream, at `rows` only (all of them where None)."""
+    if rows is None:
+        return o, residual
+    return o.index_select(0, rows), residual.index_select(0, rows)
 
 
 def _native_write(store: KVStore | QuantizedKVStore) -> bool:
@@ -430,11 +445,14 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         rope = {key: tuple(t.index_select(0, batch.positions).unsqueeze(1).to(self.rope_dtype or x.dtype) for t in tables)
                 for key, tables in self.rope.items()}
-        residual = None
+        # Only rows that sample need the last layer's output projection and MLP, the norm and the (large) LM head:
+        # a prompt's other rows stop after their last K and V are written.
+        rows = batch.logits_indices if batch.logits_indices.numel() < batch.num_tokens else None
+        residual, last = None, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, *rope[layer.rope_key], batch.for_layer(i), store, self.workspace)
-        # Only rows that sample need the norm and the (large) LM head.
-        h = (x + residual).index_select(0, batch.logits_indices)
+            x, residual = layer(x, residual, *rope[layer.rope_key], batch.for_layer(i), store, self.workspace,
+                                rows if i == last else None)
+        h = x + residual if rows is not None else (x + residual).index_select(0, batch.logits_indices)
         logits = self.lm_head(self.final_norm(h))
         if self.tp is not None:
             logits = self.tp.gather_logits(logits)

@@ -423,3 +423,28 @@ def test_inconsistent_layer_kinds_and_gemma_fields_are_refused_before_loading(ti
 
 def test_model_load_error_is_value_error():
     assert issubclass(ModelLoadError, ValueError)
+
+
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+def test_last_layer_runs_the_logits_rows_only(models, arch, monkeypatch):
+    """A step that wants logits for a few rows runs the last layer's output projection and MLP on those rows only
+    (LlamaModel.forward), and gives those rows what a step that wants every row gives them, to the bit: each row's
+    arithmetic does not depend on the rows beside it. The cache the step writes is the same too."""
+    model, _ = models[arch]
+    prompts = [_prompt(n, seed=30 + n) for n in (23, 9, 17)]
+    runs = []
+    for all_rows in (True, False):
+        r = Runner(model, seed=5)
+        seen = []
+        last = model.layers[-1]
+        real = type(last).forward
+        monkeypatch.setattr(last, "forward", lambda *a, **kw: (seen.append(a[-1]), real(last, *a, **kw))[1])
+        logits = r.step([SeqChunk(p, 0, r.table(len(p))) for p in prompts], all_rows)
+        monkeypatch.undo()
+        runs.append((logits, seen[0], [t.clone() for t in r.store.k + r.store.v]))
+    (full, full_rows, full_kv), (few, few_rows, few_kv) = runs
+    ends = torch.tensor([22, 22 + 9, 22 + 9 + 17])
+    assert full_rows is None and torch.equal(few_rows, ends)  # the last layer was handed the 3 logits rows
+    assert few.shape == (3, model.config.vocab_size)
+    torch.testing.assert_close(few, full[ends], atol=0, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(few_kv, full_kv))
