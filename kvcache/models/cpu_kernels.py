@@ -11,6 +11,8 @@
   (on AVX2, vpmaddubsw and vpmaddwd compute the same integer sums: the results are bit-identical).
 - `add_rms_norm`: the residual sum and RMSNorm of a layer's input in one pass over each row (float32).
 - `silu_mul`: SiLU(gate) x up of the MLP in one pass, with the floats ATen's silu and mul_ give (Sleef's exp, as ATen's).
+- `gate_up_silu`: the float32 gate/up product with SiLU x up in its epilogue (pairs of gate and up panels), the floats
+  of panel_linear then silu_mul without the [T, 2I] tensor between them (the MLP of 1,700 rows 1.7-2.8% faster).
 - `rope_`: rotate-half RoPE of a step's query and key heads in place, in the q/k/v product's own buffer (float32).
 
 - `argmax_finite`: the sampler's greedy ids and each row's finiteness in one pass over the logits.
@@ -675,35 +677,51 @@ static inline void panel_block(int64_t m, const float* x, int64_t ldx, const flo
   panel_rows<MR>(x, ldx, w, K, out, ldo, cols, ahead);
 }
 
+// rows [0, rows) of x (row stride K) times panel w into out (row stride ldo; cols <= 32 stored), in row blocks of
+// PANEL_ROWS, reading the panel `next` (the thread's next one, or nullptr) ahead: its lines shared out among the
+// blocks in proportion to their rows (PanelAhead)
+static inline void panel_pass(const float* x, int64_t K, int64_t rows, const float* w, const float* next, float* out,
+                              int64_t ldo, int64_t cols) {
+  const int64_t blocks = (rows + PANEL_ROWS - 1) / PANEL_ROWS, lines = K * PANEL * 4 / 64;
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int64_t m0 = i * PANEL_ROWS, l0 = lines * m0 / rows, l1 = lines * std::min(rows, m0 + PANEL_ROWS) / rows;
+    PanelAhead ahead;
+    if (next != nullptr && blocks >= 3 && blocks <= 8) ahead = {(const char*)next + l0 * 64, l1 - l0, K, 0};
+    panel_block<PANEL_ROWS>(std::min<int64_t>(PANEL_ROWS, rows - m0), x + m0 * K, K, w, K, out + m0 * ldo, ldo, cols,
+                            ahead);
+  }
+}
+
+// Rows of x per pass over a thread's panels: about PANEL_X_BYTES of x, which stay in the core's cache while its
+// panels pass (a multiple of PANEL_ROWS)
+static inline int64_t panel_chunk(int64_t K) {
+  return std::max<int64_t>(1, PANEL_X_BYTES / (K * 4) / PANEL_ROWS) * PANEL_ROWS;
+}
+
+static void check_panels(const torch::Tensor& x, const torch::Tensor& wp, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && wp.is_contiguous() && wp.dim() == 3 &&
+              x.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat && wp.size(1) == x.size(1) &&
+              wp.size(2) == PANEL, what, ": x [M, K] and panels [P, K, 32] must be contiguous float32; got x ",
+              x.sizes(), " and panels ", wp.sizes());
+}
+
 // out [M, N] = x [M, K] W^T for W packed by pack_panels; the panels are split across torch's threads, and each
 // thread runs all of x's rows against one panel (read once from memory, then from its cache) before the next.
 void panel_linear(torch::Tensor out, torch::Tensor x, torch::Tensor wp) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && wp.is_contiguous() && wp.dim() == 3 &&
-              x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat &&
-              wp.size(1) == x.size(1) && wp.size(2) == PANEL && out.size(0) == x.size(0) &&
+  check_panels(x, wp, "panel_linear");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == x.size(0) &&
               out.size(1) <= wp.size(0) * PANEL && out.size(1) > (wp.size(0) - 1) * PANEL,
-              "panel_linear: out [M, N], x [M, K] and panels [ceil(N / 32), K, 32] must be contiguous float32");
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = wp.size(0);
+              "panel_linear: out [M, N] must be contiguous float32 with 32 (P - 1) < N <= 32 P");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = wp.size(0), chunk = panel_chunk(K);
   const float* xp = x.data_ptr<float>();
   const float* w = wp.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // rows in chunks of about PANEL_X_BYTES of x, which stay in the core's cache while its panels pass
-  const int64_t chunk = std::max<int64_t>(1, PANEL_X_BYTES / (K * 4) / PANEL_ROWS) * PANEL_ROWS;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c0 = 0; c0 < M; c0 += chunk)
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t cols = std::min(PANEL, N - p * PANEL), rows = std::min(M, c0 + chunk) - c0;
-        const int64_t blocks = (rows + PANEL_ROWS - 1) / PANEL_ROWS, lines = K * PANEL * 4 / 64;
-        for (int64_t i = 0; i < blocks; ++i) {
-          const int64_t m0 = c0 + i * PANEL_ROWS, l0 = lines * (m0 - c0) / rows;
-          const int64_t l1 = lines * std::min(rows, m0 - c0 + PANEL_ROWS) / rows;
-          PanelAhead ahead;  // the thread's next panel, its lines shared out among this panel's row blocks by rows
-          if (p + 1 < end && blocks >= 3 && blocks <= 8)
-            ahead = {(const char*)(w + (p + 1) * K * PANEL) + l0 * 64, l1 - l0, K, 0};
-          panel_block<PANEL_ROWS>(std::min<int64_t>(PANEL_ROWS, M - m0), xp + m0 * K, K, w + p * K * PANEL, K,
-                                  op + m0 * N + p * PANEL, N, cols, ahead);
-        }
-      }
+      for (int64_t p = begin; p < end; ++p)
+        panel_pass(xp + c0 * K, K, std::min(M, c0 + chunk) - c0, w + p * K * PANEL,
+                   p + 1 < end ? w + (p + 1) * K * PANEL : nullptr, op + c0 * N + p * PANEL, N,
+                   std::min(PANEL, N - p * PANEL));
   });
 }
 
@@ -777,43 +795,85 @@ torch::Tensor attn_in(torch::Tensor residual, c10::optional<torch::Tensor> x, to
   return qkv;
 }
 
-// act [T, I] = silu(gate) * up for gu [T, 2I] = [gate | up], in one pass, rounded as ATen's silu and then mul_ round
-// them: x / (1 + exp(-x)) with the exp ATen's vectorized silu calls (Sleef's, 1 ulp) on the part of a row its loop
-// takes in pairs of registers, std::exp on the rest, then the product. The same floats as at::silu(gate).mul_(up)
-// (tests/models/test_cpu_kernels_isa.py), without the tensor between them, the second pass and its parallel region:
-// 22 -> 12 us at 32 rows of the demo's 1,536, 1.58 -> 1.12 ms at 2,048 (GCC leaves a loop of expf scalar without
-// -ffast-math).
+// a[i] = silu(g[i]) * u[i] for i < n, rounded as ATen's silu and then mul_ round them: x / (1 + exp(-x)) with the
+// exp ATen's vectorized silu calls (Sleef's, 1 ulp) on [0, vec) (a multiple of the pair of registers its loop takes),
+// std::exp on the rest, then the product. a may be g.
+static inline void silu_mul_span(const float* g, const float* u, float* a, int64_t n, int64_t vec) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
+  for (; i < vec; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(sign, x))));
+    _mm512_storeu_ps(a + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+  }
+#elif defined(__AVX2__)
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (; i < vec; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(sign, x))));
+    _mm256_storeu_ps(a + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float s = g[i] / (1.f + std::exp(-g[i]));
+    a[i] = s * u[i];
+  }
+}
+
+// The part of a row of I that ATen's vectorized silu loop takes (in pairs of registers): silu_mul_span's `vec`.
+static inline int64_t silu_vec(int64_t I) {
+#if defined(__AVX512F__)
+  return I / 32 * 32;
+#elif defined(__AVX2__)
+  return I / 16 * 16;
+#else
+  return 0;
+#endif
+}
+
+// act [T, I] = silu(gate) * up for gu [T, 2I] = [gate | up], in one pass: the same floats as
+// at::silu(gate).mul_(up) (tests/models/test_cpu_kernels_isa.py), without the tensor between them, the second pass
+// and its parallel region: 22 -> 12 us at 32 rows of the demo's 1,536, 1.58 -> 1.12 ms at 2,048 (GCC leaves a loop of
+// expf scalar without -ffast-math).
 void silu_mul(torch::Tensor act, torch::Tensor gu) {
   TORCH_CHECK(gu.dim() == 2 && act.dim() == 2 && gu.is_contiguous() && act.is_contiguous() &&
               gu.scalar_type() == at::kFloat && act.scalar_type() == at::kFloat && gu.size(1) % 2 == 0 &&
               act.size(0) == gu.size(0) && act.size(1) == gu.size(1) / 2,
               "silu_mul: gu [T, 2I] and act [T, I], contiguous float32");
-  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  const int64_t T = gu.size(0), I = gu.size(1) / 2, vec = silu_vec(I);
   const float* gp = gu.data_ptr<float>();
   float* ap = act.data_ptr<float>();
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float *g = gp + t * 2 * I, *u = g + I;
-      float* a = ap + t * I;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
-      for (; i < I / 32 * 32; i += 16) {
-        const __m512 x = _mm512_loadu_ps(g + i);
-        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(sign, x))));
-        _mm512_storeu_ps(a + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
-      }
-#elif defined(__AVX2__)
-      const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-      for (; i < I / 16 * 16; i += 8) {
-        const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(sign, x))));
-        _mm256_storeu_ps(a + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-      }
-#endif
-      for (; i < I; ++i) {
-        const float s = g[i] / (1.f + std::exp(-g[i]));
-        a[i] = s * u[i];
+    for (int64_t t = begin; t < end; ++t) silu_mul_span(gp + t * 2 * I, gp + t * 2 * I + I, ap + t * I, I, vec);
+  });
+}
+
+// act [M, I] = silu_mul of x [M, K] times the gate/up weights [gate | up] packed by pack_panels (2I / 32 panels, I a
+// multiple of 32), without [M, 2I] between them: each thread takes pairs of panels, gate panel j and up panel
+// j + I / 32 (the same 32 channels of each), writes the gate's outputs in act and the up's in a buffer of its own,
+// and combines them in place while both are in its cache. The floats of silu_mul(act, panel_linear(x, W)).
+void gate_up_silu(torch::Tensor act, torch::Tensor x, torch::Tensor wp) {
+  check_panels(x, wp, "gate_up_silu");
+  const int64_t M = x.size(0), K = x.size(1), I = act.size(1), half = wp.size(0) / 2, chunk = panel_chunk(K);
+  TORCH_CHECK(act.dim() == 2 && act.is_contiguous() && act.scalar_type() == at::kFloat && act.size(0) == M &&
+              I % PANEL == 0 && wp.size(0) == 2 * I / PANEL,
+              "gate_up_silu: act [M, I] must be contiguous float32 with I a multiple of 32, for 2I / 32 panels; got I = ",
+              I, " and ", wp.size(0), " panels");
+  const int64_t vec = silu_vec(PANEL);  // each 32 channels of a row: where silu_vec(I) puts them (I % 32 == 0)
+  const float* xp = x.data_ptr<float>();
+  const float* w = wp.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> up(std::min(chunk, M) * PANEL);
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+      const int64_t rows = std::min(M, c0 + chunk) - c0;
+      for (int64_t j = begin; j < end; ++j) {
+        const float *gate = w + j * K * PANEL, *upw = w + (j + half) * K * PANEL;
+        float* a = ap + c0 * I + j * PANEL;
+        panel_pass(xp + c0 * K, K, rows, gate, upw, a, I, PANEL);
+        panel_pass(xp + c0 * K, K, rows, upw, j + 1 < end ? w + (j + 1) * K * PANEL : nullptr, up.data(), PANEL, PANEL);
+        for (int64_t r = 0; r < rows; ++r) silu_mul_span(a + r * I, up.data() + r * PANEL, a + r * I, PANEL, vec);
       }
     }
   });
@@ -826,9 +886,12 @@ torch::Tensor mlp(torch::Tensor residual, torch::Tensor attn, std::vector<torch:
   auto o = linear(w_o, attn, D);
   auto h = torch::empty_like(residual);
   add_rms_norm(h, residual, o.contiguous(), norm, eps);
-  auto gu = linear(w_gate_up, h, 2 * I);
-  auto act = torch::empty({gu.size(0), I}, gu.options());
-  silu_mul(act, gu.contiguous());
+  auto act = torch::empty({h.size(0), I}, h.options());
+  if (w_gate_up.size() == 1 && w_gate_up[0].dim() == 3 && w_gate_up[0].scalar_type() == at::kFloat && I % PANEL == 0) {
+    gate_up_silu(act, h, w_gate_up[0]);  // float32 panels with no bias: the product and SiLU x up in one pass
+  } else {
+    silu_mul(act, linear(w_gate_up, h, 2 * I).contiguous());
+  }
   return linear(w_down, act, D);
 }
 
@@ -940,7 +1003,7 @@ def has_int4() -> bool:
 
 # The compiled kernels, or None where they cannot be built (no compiler or headers; KVCACHE_CPU_KERNEL=0)
 load = native.Kernels("kvcache_cpu_model", _SOURCE, ["pack_panels", "panel_linear", "int8_linear", "int4_linear",
-                      "q8_linear", "has_int4", "add_rms_norm", "rope_", "attn_in", "mlp", "silu_mul",
+                      "q8_linear", "has_int4", "add_rms_norm", "rope_", "attn_in", "mlp", "silu_mul", "gate_up_silu",
                       "argmax_finite"], [],
                       "using PyTorch's ops")
 

@@ -126,12 +126,12 @@ def test_panel_linear_refuses_mismatched_shapes(kernels):
     x = torch.randn(3, 8)
     for out, xs in ((torch.empty(3, 32), x), (torch.empty(3, 65), x), (torch.empty(4, 40), x),
                     (torch.empty(3, 40), torch.randn(3, 9)), (torch.empty(3, 40), torch.randn(8, 3).t())):
-        with pytest.raises(RuntimeError, match="panel_linear: out"):
+        with pytest.raises(RuntimeError, match="panel_linear: (out|x)"):
             kernels.panel_linear(out, xs, panels)
 
 
 # one build per instruction set, with int4's functions too (test_quant_linear compares those): one compile each
-ISA_FUNCTIONS = ["int4_linear", "q8_linear", "has_int4", "pack_panels", "panel_linear", "silu_mul"]
+ISA_FUNCTIONS = ["int4_linear", "q8_linear", "has_int4", "pack_panels", "panel_linear", "silu_mul", "gate_up_silu"]
 ISA_FLAGS = {"avx2": ["-mno-avx512f"], "plain": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
 
 
@@ -209,3 +209,40 @@ def test_silu_mul_on_every_instruction_set(isa):
     if isa == "avx2":
         assert torch.equal(act[:, :1536], ref[:, :1536])
     torch.testing.assert_close(act, ref, rtol=4e-7, atol=1e-30)
+
+
+def _gate_up_then_silu(kernels, x: torch.Tensor, panels: torch.Tensor, inter: int) -> torch.Tensor:
+    gu = torch.empty(x.shape[0], 2 * inter)
+    kernels.panel_linear(gu, x, panels)
+    act = torch.empty(x.shape[0], inter)
+    kernels.silu_mul(act, gu)
+    return act
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "plain"])
+def test_gate_up_silu_is_the_product_then_silu_mul(kernels, isa):
+    """The fused MLP's gate/up product with SiLU x up in its epilogue (pairs of panels, no [M, 2I] tensor) gives the
+    floats of panel_linear then silu_mul, on every instruction set: at row counts that end in each row block size,
+    in several passes over the rows (K = 1,536: 40 rows a pass), and at no rows."""
+    k = kernels if isa == "native" else isa_build(isa)
+    g = torch.Generator().manual_seed(11)
+    for inter, kin in ((1536, 576), (32, 8), (96, 1536)):
+        panels = cpu_kernels.pack_panels(torch.randn(2 * inter, kin, generator=g), k)
+        for m in (0, 1, 6, 7, 13, 29, 85):
+            x = torch.randn(m, kin, generator=g)
+            act = torch.full((m, inter), float("nan"))
+            k.gate_up_silu(act, x, panels)
+            assert torch.equal(act, _gate_up_then_silu(k, x, panels, inter)), (isa, inter, kin, m)
+
+
+def test_gate_up_silu_refuses_what_it_cannot_pair(kernels):
+    x = torch.randn(3, 8)
+    panels = cpu_kernels.pack_panels(torch.randn(128, 8), kernels)  # 4 panels: I = 64
+    kernels.gate_up_silu(torch.empty(3, 64), x, panels)
+    odd = cpu_kernels.pack_panels(torch.randn(80, 8), kernels)  # I = 40: gate and up panels do not pair
+    for act, xs, wp in ((torch.empty(3, 32), x, panels), (torch.empty(4, 64), x, panels), (torch.empty(3, 40), x, odd),
+                        (torch.empty(64, 3).t(), x, panels), (torch.empty(3, 64, dtype=torch.float64), x, panels)):
+        with pytest.raises(RuntimeError, match="gate_up_silu: act"):
+            kernels.gate_up_silu(act, xs, wp)
+    with pytest.raises(RuntimeError, match="gate_up_silu: x"):
+        kernels.gate_up_silu(torch.empty(3, 64), torch.randn(3, 9), panels)
