@@ -99,6 +99,9 @@ struct Prefetcher {
   void flush() { issue(INT64_MAX); }
 };
 
+// Running maxima start here, not at -inf: -ffast-math assumes finite floats.
+constexpr float NO_SCORE = -1e30f;
+
 // o [H, D] = acc [H, D] / l [H], the online softmax's output.
 static inline void normalise(float* o, const float* acc, const float* l, int64_t H, int64_t D) {
   for (int64_t h = 0; h < H; ++h) {
@@ -111,15 +114,20 @@ static inline void normalise(float* o, const float* acc, const float* l, int64_t
 // maximum, and the running sum l and the unnormalised output acc [D] are rescaled to m' before s's sum joins l.
 static inline void online_softmax(float* s, int64_t n, float& m, float& l, float* acc, int64_t D) {
   float mx = m;
+#pragma omp simd reduction(max:mx)
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
   float sum = 0.f;
 #pragma omp simd reduction(+:sum)
   for (int64_t j = 0; j < n; ++j) { s[j] = expf(s[j] - mx); sum += s[j]; }
   if (mx != m) {
-    const float corr = expf(m - mx);
-    l *= corr;
+    if (m == NO_SCORE) {  // the first scores: nothing to rescale (and expf(-1e30) is libm's slow underflow path)
+      l = 0.f;
+    } else {
+      const float corr = expf(m - mx);
+      l *= corr;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+      for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+    }
     m = mx;
   }
   l += sum;
@@ -131,8 +139,6 @@ static inline void online_softmax(float* s, int64_t n, float& m, float& l, float
 // (20 GB/s, where the same calls on KV held in L2 take 35.7 ms: the kernel's own arithmetic).
 constexpr int64_t PF_AHEAD = 1;
 
-// Running maxima start here, not at -inf: -ffast-math assumes finite floats.
-constexpr float NO_SCORE = -1e30f;
 
 // The float32 store: token t of a block is [KVH, D] contiguous in k_cache / v_cache [NB, BS, KVH, D].
 struct F32Src {
@@ -452,6 +458,18 @@ static inline void scores(float* s, const float* q, const float* k, int64_t stri
     for (int64_t c0 = t0; c0 < t1; c0 += 16) {
       const int64_t n = std::min<int64_t>(16, t1 - c0);
       v16 x[16];
+      if (n == 16) {  // a whole block's keys: one pointer stepping by stride (GCC had kept 16 in vector registers)
+        const float* kt = k + c0 * stride;
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j, kt += stride) {
+          v16 p = qv[0] * *(const v16*)kt;
+#pragma GCC unroll 8
+          for (int64_t u = 1; u < NV; ++u) p += qv[u] * *(const v16*)(kt + 16 * u);
+          x[bitrev4(j)] = p;
+        }
+        *(v16*)(s + c0 - t0) = lane_sums(x);
+        continue;
+      }
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {  // past n: the last key again (its sums are not stored), no branch
         const float* kt = k + (c0 + std::min<int64_t>(j, n - 1)) * stride;
