@@ -72,16 +72,21 @@ def workload_bytes(work: Workload, weight_bytes: int, kv_bytes_per_token: int) -
 
 
 def workload_flops(cfg, work: Workload) -> float:
-    """FLOPs the workload needs at minimum: every token through every layer once, attention over its
-    context, and the LM head only for tokens that are sampled."""
+    """FLOPs the workload needs at minimum: every token through every layer once, attention over its context, and
+    the LM head only for tokens that are sampled; in the last layer a prompt token that samples nothing needs only
+    its key and value (the engine skips the rest of that layer for it, as llama.cpp does)."""
     d, layers = cfg.hidden_size, cfg.num_hidden_layers
     hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
     h, kvh, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     linear = d * (h + 2 * kvh) * hd + h * hd * d + 3 * d * inter  # weights touched per token per layer
+    kv = d * 2 * kvh * hd  # the key and value projections' weights
     total = 0.0
     for prompt, out in zip(work.prompts, work.output_lens):
         tokens = len(prompt) + out - 1  # the last sampled token is never fed back
         ctx_sum = tokens * (tokens + 1) / 2  # each token attends to all before it and itself
-        total += layers * (2 * linear * tokens + 4 * h * hd * ctx_sum)
+        quiet = len(prompt) - 1  # prompt tokens before the last: nothing is sampled from them
+        ctx_sampled = ctx_sum - quiet * (quiet + 1) / 2  # the sampled tokens' attention
+        total += (layers - 1) * (2 * linear * tokens + 4 * h * hd * ctx_sum)
+        total += 2 * linear * (tokens - quiet) + 2 * kv * quiet + 4 * h * hd * ctx_sampled  # the last layer
         total += out * 2 * d * cfg.vocab_size
     return total

@@ -67,14 +67,16 @@ def test_parse_range_and_workload_are_exact_and_seeded():
 
 
 def test_workload_flops_counts_layers_attention_and_head():
+    """Every layer for every token, but in the last layer only the K and V of prompt tokens that sample nothing."""
     class Cfg:
         hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads = 8, 2, 2, 1
         intermediate_size, vocab_size, head_dim = 16, 10, 4
     work = random_workload(1, (3, 3), (2, 2), 10, 0)
     linear = 8 * (2 + 2) * 4 + 2 * 4 * 8 + 3 * 8 * 16
-    tokens = 3 + 2 - 1
-    expected = 2 * (2 * linear * tokens + 4 * 2 * 4 * tokens * (tokens + 1) / 2) + 2 * 2 * 8 * 10
-    assert workload_flops(Cfg, work) == expected
+    tokens = 3 + 2 - 1  # positions 0..3; 2 and 3 sample (the prompt's last and the fed-back token)
+    first = 2 * linear * tokens + 4 * 2 * 4 * (1 + 2 + 3 + 4)
+    last = 2 * linear * 2 + 2 * (8 * 2 * 1 * 4) * 2 + 4 * 2 * 4 * (3 + 4)  # positions 0, 1: their K and V only
+    assert workload_flops(Cfg, work) == first + last + 2 * 2 * 8 * 10
 
 
 @pytest.mark.bench
