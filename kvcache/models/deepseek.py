@@ -133,7 +133,7 @@ class MoE(nn.Module):
         scores = logits.sigmoid() if self.v3 else logits.softmax(-1)
         choice = scores + self.score_bias if self.v3 else scores
         if self.grouped:
-            per_group = choice.view(h.shape[0], self.num_groups, -1)
+            per_group = choice.view(h.shape[0], self.num_groups, choice.shape[-1] // self.num_groups)  # 0 rows too
             rank = per_group.topk(2, dim=-1).values.sum(-1) if self.v3 else per_group.amax(-1)
             keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, rank.topk(self.topk_group, dim=-1).indices, True)
             choice = choice.masked_fill(~keep.repeat_interleave(per_group.shape[-1], dim=1),

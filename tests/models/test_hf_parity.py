@@ -448,3 +448,7 @@ def test_last_layer_runs_the_logits_rows_only(models, arch, monkeypatch):
     assert few.shape == (3, model.config.vocab_size)
     torch.testing.assert_close(few, full[ends], atol=0, rtol=0)
     assert all(torch.equal(a, b) for a, b in zip(few_kv, full_kv))
+    r = Runner(model, seed=5)  # a step that samples nothing (a chunk of a longer prompt): no rows, the same cache
+    none = r.step([SeqChunk(p, 0, r.table(len(p)), False) for p in prompts], all_rows=False)
+    assert none.shape == (0, model.config.vocab_size)
+    assert all(torch.equal(a, b) for a, b in zip(r.store.k + r.store.v, full_kv))
