@@ -413,14 +413,17 @@ def _replicas(url: str) -> dict:
 def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(tiny_model_dirs, tmp_path):
     with serving_replicas(tiny_model_dirs["llama"], tmp_path, "--replicas", "2") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        FULL = {"ignore_eos": True}  # tokens are counted below: a sampled EOS (temperature 1) would end one early
         groups = [[3 + g] * 40 for g in range(2)]  # two prefixes of 2 full blocks and more
         where = {}
         for i in range(6):
             g = i % 2
-            raw = client.completions.with_raw_response.create(model="tiny", prompt=groups[g] + [100 + i], max_tokens=3)
+            raw = client.completions.with_raw_response.create(model="tiny", prompt=groups[g] + [100 + i], max_tokens=3,
+                                                              extra_body=FULL)
             where.setdefault(g, set()).add(raw.headers["x-kvcache-replica"])
         assert all(len(v) == 1 for v in where.values())  # a prefix stays on its replica
-        streamed = client.completions.create(model="tiny", prompt=groups[0] + [9], max_tokens=4, stream=True)
+        streamed = client.completions.create(model="tiny", prompt=groups[0] + [9], max_tokens=4, stream=True,
+                                           extra_body=FULL)
         assert len([c for c in streamed if c.choices and c.choices[0].text]) == 4
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         assert 'kvcache:prefix_cache_hits_total{replica="0"' in metrics and 'replica="1"' in metrics
@@ -433,7 +436,8 @@ def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(
         before = state["replicas"]
         os.kill(before[0]["pid"], signal.SIGKILL)
         for i in range(4):  # requests to the killed replica are retried on the other one before streaming
-            out = client.completions.create(model="tiny", prompt=groups[i % 2] + [200 + i], max_tokens=2)
+            out = client.completions.create(model="tiny", prompt=groups[i % 2] + [200 + i], max_tokens=2,
+                                            extra_body=FULL)
             assert out.usage.completion_tokens == 2
         end = time.monotonic() + 120
         while True:  # Ray Serve restarts it
@@ -447,7 +451,8 @@ def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(
         # replica's now (their requests were retried there), so they go there as hits, not back to the empty one
         assert state["held"][0] == 0 and state["held"][1] > 0 and state["resets"] >= 1, state
         for g in range(2):
-            raw = client.completions.with_raw_response.create(model="tiny", prompt=groups[g] + [300], max_tokens=2)
+            raw = client.completions.with_raw_response.create(model="tiny", prompt=groups[g] + [300], max_tokens=2,
+                                                              extra_body=FULL)
             assert raw.headers["x-kvcache-replica"] == "1" and raw.parse().usage.completion_tokens == 2
         assert "kvcache:router_replica_resets_total" in httpx.get(f"{url}/metrics", timeout=30).text
 
