@@ -877,16 +877,21 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
                                 runs);
   decode_dispatch(c, F32Src{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), BS * KVH * D, KVH * D, D});
 }
+
+// paged_decode's address, for the model module's decode loop (cpu_kernels.decode_layers), which calls it between
+// its layers' two halves: the two modules are built with the same compiler against the same libtorch.
+int64_t paged_decode_address() { return reinterpret_cast<int64_t>(&paged_decode); }
 """
 
 # Tokens of a sequence's context per work item (rounded down to whole blocks, at least one). Measured on two cores,
 # demo model heads: one sequence of 600 tokens, KV from memory, 148 us a layer in one piece against ~45 in splits.
 SPLIT_TOKENS = 128
 
-_NO_RUNS = torch.empty(0, dtype=torch.int64)
+NO_RUNS = torch.empty(0, dtype=torch.int64)  # paged_decode's runs: none
 FORMAT_CODES = {"int8": 1, "fp8_e4m3": 5, "fp8_e5m2": 6}  # the kernel's arithmetic decoders (KIVI: its bits)
 # The compiled kernel module, or None if it cannot be built here (or KVCACHE_CPU_KERNEL=0)
-load = native.Kernels("kvcache_cpu_attention", _SOURCE, ["paged_decode", "paged_decode_quant", "prefill_attention"],
+load = native.Kernels("kvcache_cpu_attention", _SOURCE, ["paged_decode", "paged_decode_quant", "prefill_attention",
+                                                         "paged_decode_address"],
                       ["-ffast-math"],
                       "using the portable PyTorch path")
 
@@ -900,7 +905,7 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     consecutive positions of one sequence (0 inside a run), attended together: each block is read once for all of
     them, and each row's output is what it would be alone."""
     load().paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, window or 0, softcap or 0.0,
-                        SPLIT_TOKENS, _NO_RUNS if runs is None else runs)
+                        SPLIT_TOKENS, NO_RUNS if runs is None else runs)
 
 
 def paged_decode_quant(out: torch.Tensor, q: torch.Tensor, store, layer: int, block_tables: torch.Tensor,
@@ -920,7 +925,7 @@ def paged_decode_quant(out: torch.Tensor, q: torch.Tensor, store, layer: int, bl
     load().paged_decode_quant(out, q, store.raw[layer], store.offsets, code, store.lut,
                                store.kivi_group or 1, store.value_group, store.block_size,
                                store.num_kv_heads, block_tables, context_lens, scale, window or 0, src, rows, start,
-                               softcap or 0.0, SPLIT_TOKENS, _NO_RUNS if runs is None else runs)
+                               softcap or 0.0, SPLIT_TOKENS, NO_RUNS if runs is None else runs)
 
 
 def prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:

@@ -258,6 +258,7 @@ def parallelize(model, shard: Shard) -> None:
     reduce between)."""
     comm = Collectives(shard)
     model.tp = comm
+    model.decode_stack = None  # the native decode loop (llama.py) is the fused calls too
     for layer in model.layers:
         layer.tp = comm
         layer.fused = None

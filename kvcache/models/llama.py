@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvcache import native
+from kvcache.attention import cpu_kernel
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.config import WEIGHT_QUANTIZATIONS
 from kvcache.attention.paged import Workspace, paged_attention
@@ -323,6 +324,9 @@ def _native_write(store: KVStore | QuantizedKVStore) -> bool:
     return isinstance(store, KVStore) and store.k[0].dtype == torch.float32
 
 
+# Whether decode-only steps of fused float32-cache models run their layers in one native call (decode_layers)
+NATIVE_DECODE = True
+
 # Steps of at most this many tokens take the fused path in layers with int8 weights (its kernel's range); layers of
 # other weights take it at every size (4 prompts of 500 tokens, float32: 3.3 s against 3.5-4.4 op by op). 0: never.
 FUSED_MAX_ROWS = 32
@@ -402,6 +406,51 @@ class LlamaModel(nn.Module):
                 native.trim_heap()
         for layer in self.layers:
             layer.fuse(kernels)
+        self.decode_stack = self._decode_stack(kernels)
+
+    def _decode_stack(self, kernels) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
+        """(weights, counts, windows) for cpu_kernels.decode_layers, where every layer is a plain fused DecoderLayer
+        on one RoPE table (its forward is _forward_fused's calls); else None."""
+        layers = list(self.layers)
+        if kernels is None or not NATIVE_DECODE or self.tp is not None or not all(
+                type(layer) is DecoderLayer and layer.fused is not None and layer.tp is None for layer in layers):
+            return None
+        if len({(layer.rope_key, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.eps, layer.scale,
+                 layer.gate_up.out_features) for layer in layers}) != 1:
+            return None
+        weights, counts = [], []
+        for layer in layers:
+            weights += [layer.input_norm.detach(), layer.post_norm.detach()]
+            for tensors in layer.fused:
+                weights += tensors
+                counts.append(len(tensors))
+        return weights, counts, [layer.window or 0 for layer in layers]
+
+    def _decode_natively(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                         store: KVStore | QuantizedKVStore) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x, residual) after every layer in one native call (cpu_kernels.decode_layers: the same calls, and floats,
+        as the layers' fused forward) for a step of decode rows only on the CPU kernels' float32 cache, or None:
+        a decode step of the demo model made ~40 Python calls a layer (~2.5 ms)."""
+        stack, T, first = self.decode_stack, x.shape[0], self.layers[0]
+        if (stack is None or self.tp is not None or batch.prefills or not batch.decode_kernel or batch.backend != "cpu"
+                or len(batch.decode_groups) != 1 or batch.capture_rows is not None or batch.layer_batches is not None
+                or FUSED_MAX_ROWS <= 0 or (T > FUSED_MAX_ROWS and not first.fused_any_rows)):
+            return None
+        group = batch.decode_groups[0]
+        if (group.rows.numel() != T or group.layer_views is not None or group.full is not None
+                or not _native_write(store)):
+            return None
+        attention = cpu_kernel.load()
+        if attention is None:
+            return None
+        weights, counts, windows = stack
+        caches = [store.native_write(i, batch.slot_mapping) for i in range(len(windows))]  # where K/V go (its rule)
+        out, residual = first.kernels.decode_layers(
+            x, weights, counts, [c[0] for c in caches] + [c[1] for c in caches], windows, first.eps, first.num_heads,
+            first.num_kv_heads, first.head_dim, first.gate_up.out_features // 2, cos, sin, caches[0][2],
+            group.block_table, group.context_lens, cpu_kernel.NO_RUNS if group.runs is None else group.runs,
+            first.scale, cpu_kernel.SPLIT_TOKENS, attention.paged_decode_address())
+        return out, residual
 
     @property
     def kv_layout(self) -> tuple[int, int, bool]:
@@ -448,10 +497,15 @@ class LlamaModel(nn.Module):
         # Only rows that sample need the last layer's output projection and MLP, the norm and the (large) LM head:
         # a prompt's other rows stop after their last K and V are written.
         rows = batch.logits_indices if batch.logits_indices.numel() < batch.num_tokens else None
-        residual, last = None, len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, *rope[layer.rope_key], batch.for_layer(i), store, self.workspace,
-                                rows if i == last else None)
+        key = self.layers[0].rope_key
+        done = None if rows is not None else self._decode_natively(x, *rope[key], batch, store)
+        if done is not None:
+            x, residual = done
+        else:
+            residual, last = None, len(self.layers) - 1
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, *rope[layer.rope_key], batch.for_layer(i), store, self.workspace,
+                                    rows if i == last else None)
         h = x + residual if rows is not None else (x + residual).index_select(0, batch.logits_indices)
         logits = self.lm_head(self.final_norm(h))
         if self.tp is not None:

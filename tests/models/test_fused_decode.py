@@ -26,6 +26,7 @@ def test_fused_decode_matches_the_op_by_op_path(tiny_model_dirs, quant, monkeypa
     def make():
         return LLM(tiny_model_dirs["qwen2"], quantization=quant, kv_cache_memory="4MiB", max_model_len=256)  # biases
     llm = make()
+    llm.engine.runner.model.decode_stack = None  # the layers' own fused calls (the native loop: tested below)
     layer = llm.engine.runner.model.layers[0]
     assert layer.fused is not None
     calls = []
@@ -53,3 +54,54 @@ def test_fused_int4_stays_close(tiny_model_dirs, monkeypatch):
     assert sum(a == b for x, y in zip(fused_out, plain_out) for a, b in zip(x, y)) >= 0.8 * sum(map(len, plain_out))
     if fused_out == plain_out:  # then every K/V written agrees, to int8 activation rounding at most
         assert all((a - b).abs().max() <= 0.02 * b.abs().max() + 1e-6 for a, b in zip(fused_kv, plain_kv))
+
+
+@pytest.mark.parametrize("arch, quant", [("qwen2", "none"), ("llama", "int8"), ("mistral-swa", "none")])
+def test_native_decode_loop_is_the_python_loop(tiny_model_dirs, arch, quant, monkeypatch):
+    """Decode-only steps run every layer in one native call (cpu_kernels.decode_layers) where the model is plain
+    fused layers on a float32 cache: the same greedy tokens, and the same cache to the bit, as the layers' own
+    forward; biases (qwen2), int8 weights and a sliding window (mistral-swa) included."""
+    def make():
+        return LLM(tiny_model_dirs[arch], quantization=quant, kv_cache_memory="4MiB", max_model_len=256)
+    llm = make()
+    model = llm.engine.runner.model
+    assert model.decode_stack is not None
+    calls = []
+    real = model.layers[0].kernels
+    class Spy:
+        def __getattr__(self, name):
+            if name == "decode_layers":
+                return lambda *a: (calls.append(a[0].shape[0]), real.decode_layers(*a))[1]
+            return getattr(real, name)
+    monkeypatch.setattr(model.layers[0], "kernels", Spy())
+    native_out, native_kv = _run(llm, True, monkeypatch)
+    assert calls and set(calls) <= {1, 2, 3}  # decode steps of up to 3 rows; prefill steps stay in Python
+    llm.engine.check_no_leaks()
+    monkeypatch.setattr(llama, "NATIVE_DECODE", False)
+    plain = make()
+    assert plain.engine.runner.model.decode_stack is None
+    plain_out, plain_kv = _run(plain, True, monkeypatch)
+    assert native_out == plain_out
+    assert all(torch.equal(a, b) for a, b in zip(native_kv, plain_kv))
+
+
+def test_decode_layers_refuses_what_does_not_add_up(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama"], kv_cache_memory="4MiB", max_model_len=256)
+    model = llm.engine.runner.model
+    weights, counts, windows = model.decode_stack
+    k = model.layers[0].kernels
+    x = torch.zeros(1, model.config.hidden_size)
+    cos = sin = torch.zeros(1, 1, model.layers[0].head_dim)
+    store = llm.engine.store
+    args = dict(eps=1e-5, heads=model.layers[0].num_heads, kv_heads=model.layers[0].num_kv_heads,
+                head_dim=model.layers[0].head_dim, inter=model.layers[0].gate_up.out_features // 2)
+    for w, c, caches, match in ((weights[:-1], counts, store.k + store.v, "make .* weights, not"),
+                                (weights + weights[:1], counts, store.k + store.v, "make .* weights, not"),
+                                (weights, [0] + counts[1:], store.k + store.v, "a linear layer of 0 tensors"),
+                                (weights, counts[:-1], store.k + store.v, "4 counts and 2 caches"),
+                                (weights, counts, store.k, "4 counts and 2 caches")):
+        with pytest.raises(RuntimeError, match=match):
+            k.decode_layers(x.clone(), w, c, caches, windows, args["eps"], args["heads"], args["kv_heads"],
+                            args["head_dim"], args["inter"], cos, sin, torch.zeros(1, dtype=torch.long),
+                            torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                            torch.empty(0, dtype=torch.long), 0.125, 128, 1)  # refused before the address is used
