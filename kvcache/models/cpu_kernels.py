@@ -914,10 +914,11 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, std::vector<torch::Ten
                                          torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                                          torch::Tensor block_table, torch::Tensor context_lens, torch::Tensor runs,
                                          double scale, int64_t split_tokens, int64_t attention) {
-  const int64_t L = (int64_t)windows.size(), T = x.size(0), hidden = x.size(1);
+  const int64_t L = (int64_t)windows.size();
   TORCH_CHECK(L > 0 && (int64_t)counts.size() == 4 * L && (int64_t)caches.size() == 2 * L && attention != 0 &&
               x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "decode_layers: ", L, " layers need 4 counts and 2 caches each, and x [T, hidden] contiguous float32");
+  const int64_t T = x.size(0), hidden = x.size(1);
   int64_t expected = 2 * L;
   for (int64_t n : counts) {
     TORCH_CHECK(n >= 1, "decode_layers: a linear layer of ", n, " tensors");
