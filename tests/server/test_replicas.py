@@ -422,9 +422,11 @@ def test_two_replicas_on_ray_serve_route_by_prefix_and_survive_a_killed_replica(
                                                               extra_body=FULL)
             where.setdefault(g, set()).add(raw.headers["x-kvcache-replica"])
         assert all(len(v) == 1 for v in where.values())  # a prefix stays on its replica
-        streamed = client.completions.create(model="tiny", prompt=groups[0] + [9], max_tokens=4, stream=True,
-                                           extra_body=FULL)
-        assert len([c for c in streamed if c.choices and c.choices[0].text]) == 4
+        streamed = list(client.completions.create(model="tiny", prompt=groups[0] + [9], max_tokens=4, stream=True,
+                                                  stream_options={"include_usage": True}, extra_body=FULL))
+        # every token streams through the router (a chunk's text may be empty: an EOS past which it goes on)
+        assert [c.usage.completion_tokens for c in streamed if c.usage] == [4]
+        assert any(c.choices and c.choices[0].text for c in streamed)
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         assert 'kvcache:prefix_cache_hits_total{replica="0"' in metrics and 'replica="1"' in metrics
         assert "kvcache:router_prefix_hit_routed_total 5" in metrics  # all but each prefix's first request
