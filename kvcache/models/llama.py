@@ -262,8 +262,7 @@ class DecoderLayer(nn.Module):
         logits rows), for those rows only, in their order: every row's K and V are still written and attended with,
         but the output projection and the MLP run on the rows the LM head reads (as llama.cpp skips a prompt's
         other rows in its last layer). A row's result does not depend on which other rows are in the batch."""
-        if (self.fused is not None and batch.capture_rows is None and FUSED_MAX_ROWS > 0
-                and (x.shape[0] <= FUSED_MAX_ROWS or self.fused_any_rows)):
+        if self.takes_fused(batch, x.shape[0]):
             return self._forward_fused(x, residual, cos, sin, batch, store, ws, rows)
         h, residual = self._add_norm(x, residual, self.input_norm)
         T, hd, H = h.shape[0], self.head_dim, self.num_heads
@@ -288,6 +287,11 @@ class DecoderLayer(nn.Module):
         out = self.down(F.silu(gate).mul_(up))
         return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
+
+    def takes_fused(self, batch: ForwardBatch, tokens: int) -> bool:
+        """Whether a step of `tokens` rows runs this layer's fused calls (attn_in and mlp)."""
+        return (self.fused is not None and batch.capture_rows is None and FUSED_MAX_ROWS > 0
+                and (tokens <= FUSED_MAX_ROWS or self.fused_any_rows))
 
     def _forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                        batch: ForwardBatch, store: KVStore | QuantizedKVStore, ws: Workspace,
@@ -432,9 +436,8 @@ class LlamaModel(nn.Module):
         as the layers' fused forward) for a step of decode rows only on the CPU kernels' float32 cache, or None:
         a decode step of the demo model made ~40 Python calls a layer (~2.5 ms)."""
         stack, T, first = self.decode_stack, x.shape[0], self.layers[0]
-        if (stack is None or self.tp is not None or batch.prefills or not batch.decode_kernel or batch.backend != "cpu"
-                or len(batch.decode_groups) != 1 or batch.capture_rows is not None or batch.layer_batches is not None
-                or FUSED_MAX_ROWS <= 0 or (T > FUSED_MAX_ROWS and not first.fused_any_rows)):
+        if (stack is None or batch.prefills or not batch.decode_kernel or batch.backend != "cpu"
+                or len(batch.decode_groups) != 1 or batch.layer_batches is not None or not first.takes_fused(batch, T)):
             return None
         group = batch.decode_groups[0]
         if (group.rows.numel() != T or group.layer_views is not None or group.full is not None
