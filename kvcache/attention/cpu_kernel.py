@@ -133,6 +133,63 @@ static inline void online_softmax(float* s, int64_t n, float& m, float& l, float
   l += sum;
 }
 
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+
+static inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+static inline float hmax(v16 v) {
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+           b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 c = a > b ? a : b;
+  const v4 d = __builtin_shufflevector(c, c, 0, 1, 2, 3), e = __builtin_shufflevector(c, c, 4, 5, 6, 7);
+  const v4 f = d > e ? d : e;
+  return std::max(std::max(f[0], f[1]), std::max(f[2], f[3]));
+}
+
+// exp(x) on 16 lanes with x <= 0, exactly 0 below -87 (float32's normal range ends there): Cephes' expf, a
+// Cody-Waite reduction by ln 2 and a degree-5 polynomial (within 2 ulp of exp), inline so that the rows of a tile
+// overlap; libmvec's out-of-line expf took a fifth of a 2,000-token prefill attention.
+static inline v16 exp_le0(v16 x) {
+  const v16 lo = (v16){} - 87.f, zero = {};
+  const vi16 under = x < lo;
+  x = under ? lo : x;
+  const v16 fx = x * 1.44269504088896341f + 0.5f;
+  vi16 n = __builtin_convertvector(fx, vi16);  // toward 0; then floor: -1 (true) where that rounded up
+  n += (vi16)(__builtin_convertvector(n, v16) > fx);
+  const v16 fn = __builtin_convertvector(n, v16);
+  x = x - fn * 0.693359375f;
+  x = x - fn * -2.12194440e-4f;
+  v16 y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x +
+           1.6666665459e-1f) * x + 5.0000001201e-1f;
+  y = y * (x * x) + x + 1.f;
+  y *= (v16)((n + 127) << 23);  // 2^n
+  return under ? zero : y;
+}
+
+// online_softmax for a prefill tile's row of 32 scores, of which the first `valid` are the row's keys (the others
+// become weight 0): the running sum stays 16 lanes wide (l16, summed once at the end) and the two vectors of
+// scores never leave registers between the maximum and the exponentials.
+static inline void online_softmax32(float* s, int64_t valid, float& m, v16& l16, float* acc, int64_t D) {
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, none = (v16){} + NO_SCORE;
+  const float fv = (float)valid;
+  v16 s0 = *(const v16*)s, s1 = *(const v16*)(s + 16);
+  s0 = lane < fv ? s0 : none;
+  s1 = lane + 16.f < fv ? s1 : none;
+  const float mx = std::max(m, hmax(vmax(s0, s1)));
+  if (mx != m) {
+    if (m != NO_SCORE) {  // the first scores have nothing to rescale (l16 and acc are 0)
+      const float corr = exp_le0((v16){} + (m - mx))[0];  // not libm's: a call spills every vector register
+      l16 *= corr;
+      for (int64_t d = 0; d < D; d += 16) *(v16*)(acc + d) *= corr;
+    }
+    m = mx;
+  }
+  const v16 p0 = exp_le0(s0 - mx), p1 = exp_le0(s1 - mx);
+  *(v16*)s = p0;
+  *(v16*)(s + 16) = p1;
+  l16 += p0 + p1;
+}
+
 // Blocks read ahead: the first ones at a work item's start at once (a split's first blocks had been demand misses),
 // then each one paced through the work on the block before it (Prefetcher). 64 rows x 330 tokens x 30 layers of
 // float32 KV from DRAM, 2 threads: 57.5 ms with 2 blocks ahead at once, 56.3 paced, 45.7 with 1 ahead paced
@@ -704,7 +761,7 @@ static void decode_dispatch(const Decode& c, const Src& src) {
 // share each key and value), blocks of KB keys with an online softmax, blocks wholly above the diagonal skipped.
 // Both products run on a 32-column register tile (mm32), the keys transposed once per call into KB-wide panels.
 // SDPA's CPU kernel runs these shapes (the demo's heads, 64-512 tokens) at 35-65 GFLOP/s on 2 cores.
-constexpr int64_t PQB = 16, PKB = 32;
+constexpr int64_t PQB = 16, PKB = 32;  // online_softmax32: PKB is 32
 #if defined(__AVX512F__)
 constexpr int MM_ROWS = 12;  // 12 x 2 vectors of accumulators
 #else
@@ -778,6 +835,7 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
   const int64_t pairs = (NQB + 1) / 2;
   at::parallel_for(0, KVH * pairs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qb(R * D), s(R * PKB), o(R * D), m(R), l(R);
+    std::vector<v16> l16(R);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kh = item / pairs, t = item % pairs;
       for (int64_t which = 0; which < (t == NQB - 1 - t ? 1 : 2); ++which) {
@@ -790,24 +848,24 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
             for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * sc;
           }
         std::fill(m.begin(), m.begin() + rows, NO_SCORE);
-        std::fill(l.begin(), l.begin() + rows, 0.f);
+        std::fill(l16.begin(), l16.begin() + rows, (v16){});
         std::fill(o.begin(), o.begin() + rows * D, 0.f);
         const int64_t last = off + i0 + nq - 1;  // the last key any row of the block sees
         for (int64_t jb = 0; jb <= last / PKB; ++jb) {
           const int64_t j0 = jb * PKB, nk = std::min(PKB, L - j0);
           mm<false>(rows, PKB, qb.data(), D, kt.data() + (kh * NKB + jb) * D * PKB, PKB, D, s.data(), PKB);
-          for (int64_t r = 0; r < rows; ++r) {
-            float* sr = s.data() + r * PKB;
-            // keys j0 .. j0 + valid - 1 are this row's; the block's others weigh nothing in the product with v
-            const int64_t valid = std::max<int64_t>(0, std::min(nk, off + i0 + r / G - j0 + 1));
-            online_softmax(sr, valid, m[r], l[r], o.data() + r * D, D);
-            std::fill(sr + valid, sr + PKB, 0.f);
+          for (int64_t i = 0, r = 0; i < nq; ++i) {
+            // keys j0 .. j0 + valid - 1 are query i's; the block's others weigh nothing in the product with v
+            const int64_t valid = std::max<int64_t>(0, std::min(nk, off + i0 + i - j0 + 1));
+            for (int64_t g = 0; g < G; ++g, ++r)
+              online_softmax32(s.data() + r * PKB, valid, m[r], l16[r], o.data() + r * D, D);
           }
           mm<true>(rows, D, s.data(), PKB, vp + j0 * vs + kh * D, vs, nk, o.data(), D);
         }
         for (int64_t i = 0; i < nq; ++i)
           for (int64_t g = 0; g < G; ++g) {
             const int64_t r = i * G + g;
+            l[r] = hsum(l16[r]);
             normalise(op + ((i0 + i) * H + kh * G + g) * D, o.data() + r * D, l.data() + r, 1, D);
           }
       }

@@ -358,6 +358,26 @@ def test_cpu_prefill_kernel_matches_reference(n, cached, heads, head_dim, seed):
                                atol=2e-6 * (head_dim / 32) ** 0.5, rtol=0)
 
 
+def test_cpu_prefill_kernel_weights_past_float32_exp_range():
+    """Scores hundreds apart (a large scale) put most weights below float32's exp range: they must come out exactly
+    0, so a query whose best key outscores its next by over 100 returns that key's value bit for bit, wherever the
+    key falls among the 32-key blocks (a later block's maximum then rescales the earlier blocks' sums to exactly 0,
+    an earlier one's makes the later weights 0)."""
+    g = torch.Generator().manual_seed(3)
+    n, H, KVH, D, scale = 128, 4, 2, 64, 40.0
+    q = torch.randn(n, H, D, generator=g)
+    k, v = torch.randn(2, n, KVH, D, generator=g)
+    out = torch.empty(n, H, D)
+    cpu_kernel.prefill_attention(out, q, k, v, scale)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double().repeat_interleave(H // KVH, 1)) * scale
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    top = scores.topk(2, -1)
+    one_hot = [(h, i) for h in range(H) for i in range(1, n) if top.values[h, i, 0] - top.values[h, i, 1] > 100]
+    assert len(one_hot) > 100 and {top.indices[h, i, 0].item() // 32 for h, i in one_hot} == {0, 1, 2, 3}
+    for h, i in one_hot:
+        assert torch.equal(out[i, h], v[top.indices[h, i, 0], h // (H // KVH)]), (h, i)
+
+
 def test_cpu_prefill_kernel_refuses_what_it_cannot_read():
     q, k = torch.randn(4, 2, 48), torch.randn(4, 1, 48)  # head size not a multiple of 32
     with pytest.raises(RuntimeError, match="prefill_attention: q"):
