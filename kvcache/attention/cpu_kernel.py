@@ -110,29 +110,6 @@ static inline void normalise(float* o, const float* acc, const float* l, int64_t
   }
 }
 
-// The online softmax over one block of n scores s (n >= 0): s[j] becomes exp(s[j] - m') with m' the new running
-// maximum, and the running sum l and the unnormalised output acc [D] are rescaled to m' before s's sum joins l.
-static inline void online_softmax(float* s, int64_t n, float& m, float& l, float* acc, int64_t D) {
-  float mx = m;
-#pragma omp simd reduction(max:mx)
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
-  float sum = 0.f;
-#pragma omp simd reduction(+:sum)
-  for (int64_t j = 0; j < n; ++j) { s[j] = expf(s[j] - mx); sum += s[j]; }
-  if (mx != m) {
-    if (m == NO_SCORE) {  // the first scores: nothing to rescale (and expf(-1e30) is libm's slow underflow path)
-      l = 0.f;
-    } else {
-      const float corr = expf(m - mx);
-      l *= corr;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
-    }
-    m = mx;
-  }
-  l += sum;
-}
-
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 
 static inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
@@ -149,9 +126,12 @@ static inline float hmax(v16 v) {
 // exp(x) on 16 lanes with x <= 0, exactly 0 below -87 (float32's normal range ends there): Cephes' expf, a
 // Cody-Waite reduction by ln 2 and a degree-5 polynomial (within 2 ulp of exp), inline so that the rows of a tile
 // overlap; libmvec's out-of-line expf took a fifth of a 2,000-token prefill attention.
+// A non-finite x (a corrupt cache byte's score) comes back as itself, so that the row's output is not finite either:
+// tested on the bits, since -ffast-math lets the compiler drop a NaN from comparisons (the clamp below is a max).
 static inline v16 exp_le0(v16 x) {
   const v16 lo = (v16){} - 87.f, zero = {};
-  const vi16 under = x < lo;
+  const vi16 bad = ((vi16)x & 0x7fffffff) >= 0x7f800000, under = x < lo;
+  const v16 arg = x;
   x = under ? lo : x;
   const v16 fx = x * 1.44269504088896341f + 0.5f;
   vi16 n = __builtin_convertvector(fx, vi16);  // toward 0; then floor: -1 (true) where that rounded up
@@ -163,7 +143,36 @@ static inline v16 exp_le0(v16 x) {
            1.6666665459e-1f) * x + 5.0000001201e-1f;
   y = y * (x * x) + x + 1.f;
   y *= (v16)((n + 127) << 23);  // 2^n
-  return under ? zero : y;
+  return bad ? arg : under ? zero : y;
+}
+
+// The online softmax over one block of n scores s (n >= 0; s has room for n rounded up to 16, and those past n
+// become 0): s[j] becomes exp(s[j] - m') with m' the new running maximum, and the running sum l and the
+// unnormalised output acc [D] are rescaled to m' before s's sum joins l.
+static inline void online_softmax(float* s, int64_t n, float& m, float& l, float* acc, int64_t D) {
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, none = (v16){} + NO_SCORE;
+  auto scores = [&](int64_t j) { const v16 x = *(const v16*)(s + j); return lane + (float)j < (float)n ? x : none; };
+  v16 mv = none;
+  for (int64_t j = 0; j < n; j += 16) mv = vmax(mv, scores(j));
+  const float mx = std::max(m, hmax(mv));
+  v16 sum = {};
+  for (int64_t j = 0; j < n; j += 16) {
+    const v16 p = exp_le0(scores(j) - mx);
+    *(v16*)(s + j) = p;
+    sum += p;
+  }
+  if (mx != m) {
+    if (m == NO_SCORE) {  // the first scores: nothing to rescale
+      l = 0.f;
+    } else {
+      const float corr = exp_le0((v16){} + (m - mx))[0];
+      l *= corr;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+    }
+    m = mx;
+  }
+  l += hsum(sum);
 }
 
 // online_softmax for a prefill tile's row of 32 scores, of which the first `valid` are the row's keys (the others

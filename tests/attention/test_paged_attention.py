@@ -378,6 +378,21 @@ def test_cpu_prefill_kernel_weights_past_float32_exp_range():
         assert torch.equal(out[i, h], v[top.indices[h, i, 0], h // (H // KVH)]), (h, i)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_cpu_prefill_kernel_passes_a_non_finite_key_on(bad):
+    """A non-finite key (a corrupt value) makes every query that sees it non-finite, not silently weight 0 (the
+    kernel is built with -ffast-math, whose comparisons may drop a NaN); the queries before it stay exact."""
+    g = torch.Generator().manual_seed(5)
+    n, H, KVH, D = 70, 4, 2, 64
+    q = torch.randn(n, H, D, generator=g)
+    k, v = torch.randn(2, n, KVH, D, generator=g)
+    k[40, 1, 3] = bad
+    out = torch.empty(n, H, D)
+    cpu_kernel.prefill_attention(out, q, k, v, D ** -0.5)
+    assert not torch.isfinite(out[40:, 2:]).any(dim=-1).any()  # heads 2, 3 read KV head 1
+    assert torch.isfinite(out[:40]).all() and torch.isfinite(out[:, :2]).all()
+
+
 def test_cpu_prefill_kernel_refuses_what_it_cannot_read():
     q, k = torch.randn(4, 2, 48), torch.randn(4, 1, 48)  # head size not a multiple of 32
     with pytest.raises(RuntimeError, match="prefill_attention: q"):
