@@ -3,6 +3,8 @@ with its transformers oracle (loaded once per run)."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -12,6 +14,17 @@ from tiny_models import TINY_ARCHS, hf_model, make_tiny_model
 # Tests pin their device: `auto` means the CPU for the whole suite (subprocesses included), where the oracles
 # and the exact float32 comparisons run; tests marked cuda ask for device="cuda" themselves.
 os.environ["KVCACHE_DEVICE"] = "cpu"
+
+# GGUF metadata (gguf_meta) is cached in a directory of this run's, not the user's: the tests write many small GGUF
+# files. The process that makes it (the xdist controller, whose workers and subprocesses inherit it) removes it.
+if not os.environ.get("KVCACHE_GGUF_CACHE"):
+    os.environ["KVCACHE_GGUF_CACHE"] = tempfile.mkdtemp(prefix="kvcache-gguf-test-")
+    _GGUF_CACHE_OWNER = os.getpid()
+
+
+def pytest_unconfigure(config):
+    if globals().get("_GGUF_CACHE_OWNER") == os.getpid():
+        shutil.rmtree(os.environ["KVCACHE_GGUF_CACHE"], ignore_errors=True)
 
 
 def pytest_sessionstart(session):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from kvcache.models import gguf_meta
 from kvcache.models.deepseek import DeepseekModel
 from kvcache.models.deepseek import check_config as check_deepseek_config
 from kvcache.models.gemma import Gemma2Model, Gemma3Model
@@ -77,7 +78,9 @@ def read_config(path: str | None) -> PretrainedConfig:
     try:
         if os.path.isfile(path):
             directory, name = os.path.split(os.path.abspath(path))
-            config = AutoConfig.from_pretrained(directory, gguf_file=name)
+            config = gguf_meta.cached(path, "config", lambda: AutoConfig.from_pretrained(directory, gguf_file=name),
+                                      lambda c, d: c.save_pretrained(d), AutoConfig.from_pretrained)
+            config.name_or_path = directory
         else:
             config = AutoConfig.from_pretrained(path)
     except Exception as e:
@@ -97,7 +100,10 @@ def read_checkpoint(path: str | None) -> LoadedModel:
                                  "directory instead")
         directory, name = os.path.split(os.path.abspath(path))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            tokenizer = gguf_meta.cached(path, "tokenizer",
+                                         lambda: AutoTokenizer.from_pretrained(directory, gguf_file=name),
+                                         lambda t, d: t.save_pretrained(d), AutoTokenizer.from_pretrained)
+            tokenizer.name_or_path = directory
         except Exception as e:
             raise ModelLoadError(f"cannot build the tokenizer from the GGUF metadata of {path}: {e}") from e
         weights = GGUFSource(path, config.model_type, config.num_attention_heads, config.num_key_value_heads)

@@ -133,11 +133,12 @@ class GGUFSource(WeightSource):
 
     def __init__(self, path: str, arch: str, num_heads: int, num_kv_heads: int) -> None:
         import gguf  # only GGUF checkpoints need it
+
+        from kvcache.models import gguf_meta
         self._gguf = gguf
-        self.reader = gguf.GGUFReader(path)
         self.arch, self.num_heads, self.num_kv_heads = arch, num_heads, num_kv_heads
         self._tensors = {}
-        for t in self.reader.tensors:
+        for t in gguf_meta.tensor_index(path):
             m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
             name = (f"model.layers.{m.group(1)}.{_LAYER_NAMES.get(m.group(2), m.group(2))}" if m
                     else _GLOBAL_NAMES.get(t.name, t.name))
