@@ -5,6 +5,9 @@
   channels (llama.py's Dense.pack; on 2 MiB pages where the OS gives them, native.huge_page_zeros); it streams the
   weights from memory faster than oneDNN's linear at decode's row counts, and each row's result does not depend on
   the rows beside it.
+- `code_panel_linear`: panel_linear on a GGUF grid's codes (Q4_0/Q4_1 4-bit, Q8_0 8-bit, a float32 scale and minimum
+  per 32 inputs) that decode to the float32 weights bit for bit: a step of one row reads 0.75-1.25 bytes a weight
+  instead of 4 and decodes them in registers (llama.py's Dense keeps both for such layers; EXACT_CODES).
 - `int8_linear`: weight-only int8 matrix product (quant_linear.py).
 - `int4_linear`: 4-bit weights (groups of 32 with a scale and a minimum, GGUF's Q4_1) times activations quantized to
   int8 per group of 32 on the fly (GGUF's Q8_1), multiplied with AVX512-VNNI's u8 x s8 dot product, as llama.cpp does
@@ -707,24 +710,203 @@ static void check_panels(const torch::Tensor& x, const torch::Tensor& wp, const 
               x.sizes(), " and panels ", wp.sizes());
 }
 
-// out [M, N] = x [M, K] W^T for W packed by pack_panels; the panels are split across torch's threads, and each
-// thread runs all of x's rows against one panel (read once from memory, then from its cache) before the next.
-void panel_linear(torch::Tensor out, torch::Tensor x, torch::Tensor wp) {
-  check_panels(x, wp, "panel_linear");
+// A linear layer's weights in panels of 32 outputs: float32 ([P, K, 32], pack_panels), or codes that give those very
+// floats (llama.py's Dense.pack, where a layer's weights are a GGUF grid's: Q4_0/Q4_1, Q8_0): weight = scale x code
+// + minimum with codes [P, K, 16] of 4 bits (byte j: output j in its low half, j + 16 in its high) or [P, K, 32] of 8,
+// scale and minimum [P, K / 32, 32] float32 per group of 32 inputs. The scale is a float16 and a code has at most 8
+// bits, so the product is exact and the sum rounds once, as it did when the checkpoint was dequantized: the float32
+// weights bit for bit, from 0.75 (4 bits) or 1.25 (8 bits) bytes a weight read from memory instead of 4.
+struct Panels {
+  const float* w = nullptr;  // float32 panels, or null for codes
+  const uint8_t* codes = nullptr;
+  const float *scale = nullptr, *minimum = nullptr;
+  int64_t P = 0, K = 0, bits = 32;
+
+  // panel p as float32 [K, 32]: the packed one, or its codes decoded into buf [K * 32]
+  const float* get(int64_t p, float* buf) const {
+    if (w != nullptr) return w + p * K * PANEL;
+    if (bits == 4) decode<4>(p, buf);
+    else decode<8>(p, buf);
+    return buf;
+  }
+  template <int BITS>
+  void decode(int64_t p, float* buf) const {
+    typedef float f16v __attribute__((vector_size(64), aligned(4)));
+    typedef uint8_t b16v __attribute__((vector_size(16), aligned(1)));
+    typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
+    // bytes -> int32 -> float: GCC lowers a direct byte-to-float conversion one element at a time
+    auto widen = [](b16v b) { return __builtin_convertvector(__builtin_convertvector(b, i16v), f16v); };
+    constexpr int64_t ROW = BITS == 4 ? 16 : PANEL;  // bytes of codes per input
+    const int64_t G = K / PANEL;
+    const uint8_t* c = codes + p * K * ROW;
+    for (int64_t g = 0; g < G; ++g) {
+      const float *s = scale + (p * G + g) * PANEL, *mn = minimum + (p * G + g) * PANEL;
+      const f16v s0 = *(const f16v*)s, s1 = *(const f16v*)(s + 16), m0 = *(const f16v*)mn, m1 = *(const f16v*)(mn + 16);
+      for (int64_t k = g * PANEL; k < (g + 1) * PANEL; ++k) {
+        f16v* o = (f16v*)(buf + k * PANEL);
+        const b16v b = *(const b16v*)(c + k * ROW);
+        if constexpr (BITS == 4) {
+          o[0] = s0 * widen(b & 15) + m0;
+          o[1] = s1 * widen(b >> 4) + m1;
+        } else {
+          o[0] = s0 * widen(b) + m0;
+          o[1] = s1 * widen(*(const b16v*)(c + k * ROW + 16)) + m1;
+        }
+      }
+    }
+  }
+  // the panel to read ahead after p, among a thread's panels [.., end): float32 ones only
+  const float* ahead(int64_t p, int64_t end) const {
+    return w != nullptr && p + 1 < end ? w + (p + 1) * K * PANEL : nullptr;
+  }
+  int64_t buffer() const { return w != nullptr ? 0 : K * PANEL; }  // floats get's buf needs
+};
+
+static Panels f32_panels(const torch::Tensor& wp) {
+  Panels c;
+  c.w = wp.data_ptr<float>();
+  c.P = wp.size(0);
+  c.K = wp.size(1);
+  return c;
+}
+
+static Panels code_panels(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                          const torch::Tensor& minimum, const char* what) {
+  const int64_t K = x.size(1), P = codes.size(0), G = K / PANEL;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && codes.is_contiguous() &&
+              codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(1) == K && K % PANEL == 0 &&
+              (codes.size(2) == 16 || codes.size(2) == PANEL) && scale.is_contiguous() && minimum.is_contiguous() &&
+              scale.scalar_type() == at::kFloat && minimum.scalar_type() == at::kFloat &&
+              scale.sizes() == minimum.sizes() && scale.dim() == 3 && scale.size(0) == P && scale.size(1) == G &&
+              scale.size(2) == PANEL, what, ": x [M, K] float32 (K a multiple of 32), codes [P, K, 16 or 32] uint8, "
+              "scale and minimum [P, K / 32, 32] float32, contiguous; got x ", x.sizes(), ", codes ", codes.sizes(),
+              ", scale ", scale.sizes(), ", minimum ", minimum.sizes());
+  Panels c;
+  c.codes = codes.data_ptr<uint8_t>();
+  c.scale = scale.data_ptr<float>();
+  c.minimum = minimum.data_ptr<float>();
+  c.P = P;
+  c.K = K;
+  c.bits = codes.size(2) == 16 ? 4 : 8;
+  return c;
+}
+
+// out [M, N] = x [M, K] W^T for W in panels; the panels are split across torch's threads, and each thread runs all
+// of x's rows against one panel (read once from memory, then from its cache) before the next.
+#if defined(__AVX512F__)
+// Code panel p's weights for input k, decoded in registers (Panels::decode's floats)
+template <int BITS>
+static inline void code_weights(const Panels& w, int64_t p, int64_t k, __m512 s0, __m512 s1, __m512 m0, __m512 m1,
+                                __m512& w0, __m512& w1) {
+  if constexpr (BITS == 4) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)(w.codes + (p * w.K + k) * 16));
+    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+    w0 = _mm512_fmadd_ps(s0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m0);
+    w1 = _mm512_fmadd_ps(s1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m1);
+  } else {
+    const uint8_t* c = w.codes + (p * w.K + k) * PANEL;
+    w0 = _mm512_fmadd_ps(s0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)c))), m0);
+    w1 = _mm512_fmadd_ps(s1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + 16)))), m1);
+  }
+}
+
+// One row x [K] times code panels p[0] and p[1] (p[1] < 0: p[0] only) into out[i] (cols[i] <= 32 of them): the
+// floats of panel_rows<1> on their decoded panels (the chunks' chains and sums in the same order), the weights decoded
+// in registers. One row's one chain per output waits on each FMA's latency (~28 GFLOP/s on 2 cores, the codes' speed
+// at one row through a decoded buffer); two panels' four chains side by side keep the FMA unit busy.
+template <int BITS>
+static void code_row(const Panels& w, const int64_t p[2], const float* x, float* const out[2], const int64_t cols[2]) {
+  const bool two = p[1] >= 0;
+  const int64_t K = w.K, G = K / PANEL;
+  __m512 acc[2][2], sum[2][2];
+  for (int64_t k0 = 0; k0 < K; k0 += PANEL_CHUNK) {
+    for (int i = 0; i < 2; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t g = k0 / PANEL; g < std::min(K, k0 + PANEL_CHUNK) / PANEL; ++g) {
+      __m512 sv[2][2], mv[2][2];
+      for (int i = 0; i < 2; ++i) {
+        const int64_t q = p[two ? i : 0];
+        for (int h = 0; h < 2; ++h) {
+          sv[i][h] = _mm512_loadu_ps(w.scale + (q * G + g) * PANEL + 16 * h);
+          mv[i][h] = _mm512_loadu_ps(w.minimum + (q * G + g) * PANEL + 16 * h);
+        }
+      }
+      for (int64_t k = g * PANEL; k < (g + 1) * PANEL; ++k) {
+        const __m512 a = _mm512_set1_ps(x[k]);
+        for (int i = 0; i < 2; ++i) {
+          __m512 w0, w1;
+          code_weights<BITS>(w, p[two ? i : 0], k, sv[i][0], sv[i][1], mv[i][0], mv[i][1], w0, w1);
+          acc[i][0] = _mm512_fmadd_ps(a, w0, acc[i][0]);
+          acc[i][1] = _mm512_fmadd_ps(a, w1, acc[i][1]);
+        }
+      }
+    }
+    for (int i = 0; i < 2; ++i)
+      for (int h = 0; h < 2; ++h) sum[i][h] = k0 == 0 ? acc[i][h] : _mm512_add_ps(sum[i][h], acc[i][h]);
+  }
+  for (int i = 0; i < (two ? 2 : 1); ++i) {
+    const int64_t n = cols[i];
+    const __mmask16 m0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+    const __mmask16 m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+    _mm512_mask_storeu_ps(out[i], m0, sum[i][0]);
+    _mm512_mask_storeu_ps(out[i] + 16, m1, sum[i][1]);
+  }
+}
+
+// code_row of panels p0 and p1 (-1: none) at their columns of a row of N outputs
+static void code_row(const Panels& w, int64_t p0, int64_t p1, const float* x, float* row, int64_t N) {
+  const int64_t p[2] = {p0, p1};
+  const int64_t cols[2] = {std::min(PANEL, N - p0 * PANEL), p1 < 0 ? 0 : std::min(PANEL, N - p1 * PANEL)};
+  float* const out[2] = {row + p0 * PANEL, row + std::max<int64_t>(p1, 0) * PANEL};
+  if (w.bits == 4) code_row<4>(w, p, x, out, cols);
+  else code_row<8>(w, p, x, out, cols);
+}
+#endif
+
+static void panels_linear(torch::Tensor out, const torch::Tensor& x, const Panels& w, const char* what) {
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == x.size(0) &&
-              out.size(1) <= wp.size(0) * PANEL && out.size(1) > (wp.size(0) - 1) * PANEL,
-              "panel_linear: out [M, N] must be contiguous float32 with 32 (P - 1) < N <= 32 P");
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = wp.size(0), chunk = panel_chunk(K);
+              out.size(1) <= w.P * PANEL && out.size(1) > (w.P - 1) * PANEL,
+              what, ": out [M, N] must be contiguous float32 with 32 (P - 1) < N <= 32 P");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), chunk = panel_chunk(K);
   const float* xp = x.data_ptr<float>();
-  const float* w = wp.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+  if (M == 1 && w.w == nullptr) {  // one row: the codes decoded in registers, two panels at a time
+    at::parallel_for(0, (w.P + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) code_row(w, 2 * i, 2 * i + 1 < w.P ? 2 * i + 1 : -1, xp, op, N);
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, w.P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(w.buffer());
     for (int64_t c0 = 0; c0 < M; c0 += chunk)
       for (int64_t p = begin; p < end; ++p)
-        panel_pass(xp + c0 * K, K, std::min(M, c0 + chunk) - c0, w + p * K * PANEL,
-                   p + 1 < end ? w + (p + 1) * K * PANEL : nullptr, op + c0 * N + p * PANEL, N,
-                   std::min(PANEL, N - p * PANEL));
+        panel_pass(xp + c0 * K, K, std::min(M, c0 + chunk) - c0, w.get(p, buf.data()), w.ahead(p, end),
+                   op + c0 * N + p * PANEL, N, std::min(PANEL, N - p * PANEL));
   });
+}
+
+void panel_linear(torch::Tensor out, torch::Tensor x, torch::Tensor wp) {
+  check_panels(x, wp, "panel_linear");
+  panels_linear(out, x, f32_panels(wp), "panel_linear");
+}
+
+// panel_linear on code panels (Panels): the floats panel_linear gives on the float32 panels they decode to
+void code_panel_linear(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
+                       torch::Tensor minimum) {
+  panels_linear(out, x, code_panels(x, codes, scale, minimum, "code_panel_linear"), "code_panel_linear");
+}
+
+// A linear layer's tensors (see linear below) as panels, if they are: float32 panels [weight, (bias)], or with the
+// same weights' code panels after them [weight, codes, scale, minimum, (bias)] (llama.py's Dense.pack), which a row
+// alone takes; `n` becomes how many tensors the weight takes.
+static bool as_panels(const std::vector<torch::Tensor>& L, const torch::Tensor& x, Panels& w, size_t& n) {
+  if (L[0].is_mkldnn() || L[0].dim() != 3 || L[0].scalar_type() != at::kFloat) return false;
+  check_panels(x, L[0], "linear");
+  n = L.size() >= 4 && L[1].dim() == 3 && L[1].scalar_type() == at::kByte ? 4 : 1;
+  w = n == 4 && x.size(0) == 1 ? code_panels(x, L[1], L[2], L[3], "linear") : f32_panels(L[0]);
+  TORCH_CHECK(w.P == L[0].size(0), "linear: ", w.P, " code panels for ", L[0].size(0), " float32 ones");
+  return true;
 }
 
 // ---- a decoder layer's work around attention in two calls (llama.py's DecoderLayer.forward, float32 activations) ----
@@ -747,11 +929,12 @@ static torch::Tensor linear(const std::vector<torch::Tensor>& L, const torch::Te
   const torch::Tensor x = x_.contiguous();
   torch::Tensor out;
   size_t n = 1;
+  Panels w;
   if (L[0].is_mkldnn()) {
     out = packed_linear(x, L[0]);
-  } else if (L[0].dim() == 3 && L[0].scalar_type() == at::kFloat) {  // float32 panels (pack_panels)
+  } else if (as_panels(L, x, w, n)) {  // float32 or code panels
     out = torch::empty({x.size(0), N}, x.options());
-    panel_linear(out, x, L[0]);
+    panels_linear(out, x, w, "linear");
   } else {
     out = torch::empty({x.size(0), N}, x.options());
     if (L[0].scalar_type() == at::kByte) {  // Int4Dense or Q8Dense, by the codes' bytes per input
@@ -855,30 +1038,48 @@ void silu_mul(torch::Tensor act, torch::Tensor gu) {
 // multiple of 32), without [M, 2I] between them: each thread takes pairs of panels, gate panel j and up panel
 // j + I / 32 (the same 32 channels of each), writes the gate's outputs in act and the up's in a buffer of its own,
 // and combines them in place while both are in its cache. The floats of silu_mul(act, panel_linear(x, W)).
-void gate_up_silu(torch::Tensor act, torch::Tensor x, torch::Tensor wp) {
-  check_panels(x, wp, "gate_up_silu");
-  const int64_t M = x.size(0), K = x.size(1), I = act.size(1), half = wp.size(0) / 2, chunk = panel_chunk(K);
+static void panels_gate_up_silu(torch::Tensor act, const torch::Tensor& x, const Panels& w) {
+  const int64_t M = x.size(0), K = x.size(1), I = act.size(1), half = w.P / 2, chunk = panel_chunk(K);
   TORCH_CHECK(act.dim() == 2 && act.is_contiguous() && act.scalar_type() == at::kFloat && act.size(0) == M &&
-              I % PANEL == 0 && wp.size(0) == 2 * I / PANEL,
+              I % PANEL == 0 && w.P == 2 * I / PANEL,
               "gate_up_silu: act [M, I] must be contiguous float32 with I a multiple of 32, for 2I / 32 panels; got I = ",
-              I, " and ", wp.size(0), " panels");
+              I, " and ", w.P, " panels");
   const int64_t vec = silu_vec(PANEL);  // each 32 channels of a row: where silu_vec(I) puts them (I % 32 == 0)
   const float* xp = x.data_ptr<float>();
-  const float* w = wp.data_ptr<float>();
   float* ap = act.data_ptr<float>();
+#if defined(__AVX512F__)
+  if (M == 1 && w.w == nullptr) {  // one row: gate panel j and up panel j side by side, decoded in registers
+    at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float up[PANEL];
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t p[2] = {j, j + half}, cols[2] = {PANEL, PANEL};
+        float* const out[2] = {ap + j * PANEL, up};
+        if (w.bits == 4) code_row<4>(w, p, xp, out, cols);
+        else code_row<8>(w, p, xp, out, cols);
+        silu_mul_span(ap + j * PANEL, up, ap + j * PANEL, PANEL, vec);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> up(std::min(chunk, M) * PANEL);
+    std::vector<float> up(std::min(chunk, M) * PANEL), gbuf(w.buffer()), ubuf(w.buffer());
     for (int64_t c0 = 0; c0 < M; c0 += chunk) {
       const int64_t rows = std::min(M, c0 + chunk) - c0;
       for (int64_t j = begin; j < end; ++j) {
-        const float *gate = w + j * K * PANEL, *upw = w + (j + half) * K * PANEL;
+        const float *gate = w.get(j, gbuf.data()), *upw = w.get(j + half, ubuf.data());
         float* a = ap + c0 * I + j * PANEL;
-        panel_pass(xp + c0 * K, K, rows, gate, upw, a, I, PANEL);
-        panel_pass(xp + c0 * K, K, rows, upw, j + 1 < end ? w + (j + 1) * K * PANEL : nullptr, up.data(), PANEL, PANEL);
+        panel_pass(xp + c0 * K, K, rows, gate, w.w != nullptr ? upw : nullptr, a, I, PANEL);
+        panel_pass(xp + c0 * K, K, rows, upw, w.ahead(j, end), up.data(), PANEL, PANEL);
         for (int64_t r = 0; r < rows; ++r) silu_mul_span(a + r * I, up.data() + r * PANEL, a + r * I, PANEL, vec);
       }
     }
   });
+}
+
+void gate_up_silu(torch::Tensor act, torch::Tensor x, torch::Tensor wp) {
+  check_panels(x, wp, "gate_up_silu");
+  panels_gate_up_silu(act, x, f32_panels(wp));
 }
 
 // down(silu(gate) * up) [T, hidden] of RMSNorm(residual += o_proj(attn)), gate/up fused as [gate | up] of I each.
@@ -889,8 +1090,10 @@ torch::Tensor mlp(torch::Tensor residual, torch::Tensor attn, std::vector<torch:
   auto h = torch::empty_like(residual);
   add_rms_norm(h, residual, o.contiguous(), norm, eps);
   auto act = torch::empty({h.size(0), I}, h.options());
-  if (w_gate_up.size() == 1 && w_gate_up[0].dim() == 3 && w_gate_up[0].scalar_type() == at::kFloat && I % PANEL == 0) {
-    gate_up_silu(act, h, w_gate_up[0]);  // float32 panels with no bias: the product and SiLU x up in one pass
+  Panels w;
+  size_t n = 0;
+  if (I % PANEL == 0 && as_panels(w_gate_up, h, w, n) && w_gate_up.size() == n) {
+    panels_gate_up_silu(act, h, w);  // panels with no bias: the product and SiLU x up in one pass
   } else {
     silu_mul(act, linear(w_gate_up, h, 2 * I).contiguous());
   }
@@ -1057,11 +1260,26 @@ def has_int4() -> bool:
 
 
 # The compiled kernels, or None where they cannot be built (no compiler or headers; KVCACHE_CPU_KERNEL=0)
-load = native.Kernels("kvcache_cpu_model", _SOURCE, ["pack_panels", "panel_linear", "int8_linear", "int4_linear",
-                      "q8_linear", "has_int4", "add_rms_norm", "rope_", "attn_in", "mlp", "silu_mul", "gate_up_silu",
-                      "decode_layers",
-                      "argmax_finite"], [],
+load = native.Kernels("kvcache_cpu_model", _SOURCE, ["pack_panels", "panel_linear", "code_panel_linear", "int8_linear",
+                      "int4_linear", "q8_linear", "has_int4", "add_rms_norm", "rope_", "attn_in", "mlp", "silu_mul",
+                      "gate_up_silu", "decode_layers", "argmax_finite"], [],
                       "using PyTorch's ops")
+
+
+def pack_code_panels(codes, scale, minimum, bits: int) -> tuple:
+    """Codes [N, K] (uint8; 4 or 8 bits), scales and minima [N, K / 32] (float32) as code_panel_linear's panels:
+    codes [P, K, 16] (4 bits: byte j holds output j's code in its low half, j + 16's in its high) or [P, K, 32],
+    scale and minimum [P, K / 32, 32], the last panel's missing outputs 0 (weight 0, as pack_panels pads)."""
+    import torch
+    n, k = codes.shape
+    pad = -n % 32
+    per = lambda t: torch.nn.functional.pad(t, (0, 0, 0, pad)).view(-1, 32, t.shape[1]).transpose(1, 2)  # noqa: E731
+    c = per(codes)
+    if bits == 4:
+        c = c[..., :16] | (c[..., 16:] << 4)
+    out = native.huge_page_zeros(tuple(c.shape), torch.uint8, touch=False)
+    out.copy_(c)
+    return out, per(scale).contiguous(), per(minimum).contiguous()
 
 
 def pack_panels(w, kernels=None):

@@ -20,7 +20,7 @@ from kvcache.attention.metadata import ForwardBatch
 from kvcache.config import WEIGHT_QUANTIZATIONS
 from kvcache.attention.paged import Workspace, paged_attention
 from kvcache.models import cpu_kernels
-from kvcache.models.quant_linear import INT4_UNIT, Int4Dense, Int8Dense, Q8Dense
+from kvcache.models.quant_linear import INT4_UNIT, Int4Dense, Int8Dense, Q8Dense, exact_codes
 from kvcache.models.weights import WeightSource
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
@@ -102,6 +102,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+# Whether Dense.pack also keeps a float32 layer whose weights are a GGUF grid's (Q4_0/Q4_1, Q8_0) as codes that
+# decode to those very floats (cpu_kernels' code panels), for steps of one row: the same outputs from 0.75-1.25 bytes
+# a weight instead of 4, decoded in registers (single-stream decode of the demo ~2.9x). Steps of more rows keep the
+# float32 panels, faster there (the codes through a decoded panel: 0.76-0.81x at 8-32 rows).
+EXACT_CODES = os.environ.get("KVCACHE_EXACT_CODES", "1") != "0"
+
+
 def packable(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether weights of `dtype` on `device` can be packed (Dense.pack): float32 on a CPU, with the project's C++
     kernels or oneDNN."""
@@ -146,8 +153,15 @@ class Dense(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
         self.packed: torch.Tensor | None = None  # W^T in panels (pack_panels) or in oneDNN's layout (pack)
+        self.codes: tuple[torch.Tensor, ...] | None = None  # or as code panels (pack_code_panels): codes, scale, min
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.codes is not None and x.numel() == self.in_features:  # one row: the codes, decoded in registers
+            out = torch.empty(1, self.out_features, dtype=x.dtype)
+            cpu_kernels.load().code_panel_linear(out, x.reshape(1, -1).contiguous(), *self.codes)
+            if self.bias is not None:
+                out.add_(self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             if self.packed.is_mkldnn:
                 return packed_linear(x, self.packed, self.bias)
@@ -161,11 +175,15 @@ class Dense(nn.Module):
         if how not in ("0", "1", "onednn"):
             raise ValueError(f"KVCACHE_PACKED_WEIGHTS={how!r}: use 1 (panels for the C++ kernels, else oneDNN), "
                              "onednn or 0 (dense)")
-        if self.packed is not None or w is None or not packable(w.dtype, w.device) or how == "0":
+        if self.packed is not None or self.codes is not None or w is None or not packable(w.dtype, w.device) or \
+                how == "0":
             return False
         kernels = cpu_kernels.load() if how == "1" else None
         if kernels is None and not torch.backends.mkldnn.is_available():
             return False
+        exact = exact_codes(w.detach().t()) if kernels is not None and EXACT_CODES else None
+        if exact is not None:
+            self.codes = cpu_kernels.pack_code_panels(*exact)
         # loading peaks at the weights plus one matrix (tests/models/test_loading.py): the panels are read from W's
         # transposed view with no copy; for oneDNN a contiguous [out, in] copy is made (it would copy the view
         # itself), so that W can go before the repacking
@@ -179,7 +197,8 @@ class Dense(nn.Module):
     @property
     def packed_bytes(self) -> int:
         """Bytes of the packed weight (a tied head keeps its dense one too, a parameter, and holds both)."""
-        return self.packed.numel() * 4 if self.packed is not None else 0
+        codes = sum(t.numel() * t.element_size() for t in self.codes) if self.codes is not None else 0
+        return codes + (self.packed.numel() * 4 if self.packed is not None else 0)
 
     def load_rows(self, start: int, rows: torch.Tensor) -> None:
         """Copy Hugging Face weight rows [n, in] (output channels start .. start + n) into their columns."""
@@ -343,7 +362,7 @@ def _kernel_tensors(m: nn.Module) -> list[torch.Tensor]:
     elif isinstance(m, Int8Dense):
         ts = [m.weight, m.scale]
     else:
-        ts = [m.packed if m.packed is not None else m.weight]
+        ts = [m.packed if m.packed is not None else m.weight] + (list(m.codes) if m.codes is not None else [])
     return [t.detach() for t in ts] + ([m.bias.detach()] if m.bias is not None else [])
 
 

@@ -132,6 +132,32 @@ def quantize_groups(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return codes.round_().clamp_(0, 15).to(torch.uint8).reshape(n, k), d, m
 
 
+def exact_codes(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+    """Codes [N, K] (uint8), scales and minima [N, K/32] (float32) and their bits (4 or 8) that give the float32
+    weights w [N, K] back bit for bit as scale * code + minimum (the product of a float16 scale and a code is exact,
+    the sum rounds once: how GGUF dequantizes Q4_1, Q4_0 and Q8_0): a layer whose weights were dequantized from
+    such a grid. 4 bits where quantize_groups finds the grid, else Q8_0's 8 (quantize_q8), else None (a float
+    checkpoint's weights, K not a multiple of 32, a row range cut through a group). Checked `rows` rows at a time,
+    so that the check holds a few of those rows' floats, not copies of the matrix."""
+    n, k = w.shape
+    if w.dtype != torch.float32 or k % GROUP or n == 0:
+        return None
+    for quantize, bits in ((quantize_groups, 4), (quantize_q8, 8)):
+        parts = []
+        for r0 in range(0, n, rows):
+            block = w[r0:r0 + rows]
+            codes, d, m = quantize(block)
+            d, m = d.float(), m.float()
+            back = d.repeat_interleave(GROUP, 1) * codes.float() + m.repeat_interleave(GROUP, 1)
+            if not torch.equal(back.view(torch.int32), block.contiguous().view(torch.int32)):
+                break
+            parts.append((codes, d, m))
+        else:
+            return torch.cat([c for c, _, _ in parts]), torch.cat([d for _, d, _ in parts]), \
+                torch.cat([m for _, _, m in parts]), bits
+    return None
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Codes [n, K] (n % 16 == 0, K % 8 == 0) -> [n/16, K/8, 64] bytes in the kernel's layout: per block of 16 rows
     and 8 inputs one 64-byte line, whose byte 4r + i holds row r's input 8o + i in the low nibble and 8o + 4 + i in

@@ -131,7 +131,8 @@ def test_panel_linear_refuses_mismatched_shapes(kernels):
 
 
 # one build per instruction set, with int4's functions too (test_quant_linear compares those): one compile each
-ISA_FUNCTIONS = ["int4_linear", "q8_linear", "has_int4", "pack_panels", "panel_linear", "silu_mul", "gate_up_silu"]
+ISA_FUNCTIONS = ["int4_linear", "q8_linear", "has_int4", "pack_panels", "panel_linear", "code_panel_linear", "silu_mul",
+                 "gate_up_silu"]
 ISA_FLAGS = {"avx2": ["-mno-avx512f"], "plain": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
 
 
