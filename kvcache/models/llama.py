@@ -103,9 +103,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # Whether Dense.pack also keeps a float32 layer whose weights are a GGUF grid's (Q4_0/Q4_1, Q8_0) as codes that
-# decode to those very floats (cpu_kernels' code panels), for steps of one row: the same outputs from 0.75-1.25 bytes
-# a weight instead of 4, decoded in registers (single-stream decode of the demo ~2.9x). Steps of more rows keep the
-# float32 panels, faster there (the codes through a decoded panel: 0.76-0.81x at 8-32 rows).
+# decode to those very floats (cpu_kernels' code panels), for steps of up to code_rows() rows (8 with AVX-512; none
+# without): the same outputs from 0.75-1.25 bytes a weight instead of 4, decoded in registers (single-stream decode
+# of the demo ~2.8x). Larger steps keep the float32 panels, faster there (see CODE_ROWS in cpu_kernels).
 EXACT_CODES = os.environ.get("KVCACHE_EXACT_CODES", "1") != "0"
 
 
@@ -156,9 +156,10 @@ class Dense(nn.Module):
         self.codes: tuple[torch.Tensor, ...] | None = None  # or as code panels (pack_code_panels): codes, scale, min
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.codes is not None and x.numel() == self.in_features:  # one row: the codes, decoded in registers
-            out = torch.empty(1, self.out_features, dtype=x.dtype)
-            cpu_kernels.load().code_panel_linear(out, x.reshape(1, -1).contiguous(), *self.codes)
+        if self.codes is not None and x.numel() <= self.in_features * cpu_kernels.code_rows():
+            rows = x.reshape(-1, self.in_features).contiguous()  # a small step: the codes, decoded in registers
+            out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+            cpu_kernels.load().code_panel_linear(out, rows, *self.codes)
             if self.bias is not None:
                 out.add_(self.bias)
             return out.view(*x.shape[:-1], self.out_features)
@@ -181,7 +182,7 @@ class Dense(nn.Module):
         kernels = cpu_kernels.load() if how == "1" else None
         if kernels is None and not torch.backends.mkldnn.is_available():
             return False
-        exact = exact_codes(w.detach().t()) if kernels is not None and EXACT_CODES else None
+        exact = exact_codes(w.detach().t()) if kernels is not None and EXACT_CODES and cpu_kernels.code_rows() else None
         if exact is not None:
             self.codes = cpu_kernels.pack_code_panels(*exact)
         # loading peaks at the weights plus one matrix (tests/models/test_loading.py): the panels are read from W's

@@ -138,14 +138,16 @@ def exact_codes(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.
     the sum rounds once: how GGUF dequantizes Q4_1, Q4_0 and Q8_0): a layer whose weights were dequantized from
     such a grid. 4 bits where quantize_groups finds the grid, else Q8_0's 8 (quantize_q8), else None (a float
     checkpoint's weights, K not a multiple of 32, a row range cut through a group). Checked `rows` rows at a time,
-    so that the check holds a few of those rows' floats, not copies of the matrix."""
+    so that the check holds a few of those rows' floats, not copies of the matrix; the first 64 rows first, so that a
+    float checkpoint's layer is told apart in a small fraction of the matrix."""
     n, k = w.shape
     if w.dtype != torch.float32 or k % GROUP or n == 0:
         return None
+    starts = [0] + list(range(min(n, 64), n, rows))
     for quantize, bits in ((quantize_groups, 4), (quantize_q8, 8)):
         parts = []
-        for r0 in range(0, n, rows):
-            block = w[r0:r0 + rows]
+        for r0, r1 in zip(starts, starts[1:] + [n]):
+            block = w[r0:r1]
             codes, d, m = quantize(block)
             d, m = d.float(), m.float()
             back = d.repeat_interleave(GROUP, 1) * codes.float() + m.repeat_interleave(GROUP, 1)

@@ -47,11 +47,12 @@ def test_exact_codes_find_the_grid_and_give_its_weights_back(bits):
 def test_exact_codes_say_none_off_the_grid():
     g = torch.Generator().manual_seed(0)
     assert exact_codes(torch.randn(40, 64, generator=g)) is None  # a float checkpoint's weights
-    w = _on_grid(torch.randn(40, 64, generator=g), 4)
+    w = _on_grid(torch.randn(100, 64, generator=g), 4)
     assert exact_codes(w[:, :48].contiguous()) is None  # 48 inputs: no whole groups
     assert exact_codes(w[:, 16:48].contiguous()) is None  # a range cut through the groups
+    assert exact_codes(w, rows=16) is not None
     bent = w.clone()
-    bent[39, 5] = torch.nextafter(bent[39, 5], torch.tensor(1.0))  # one weight one ulp off, in the last row block
+    bent[99, 5] = torch.nextafter(bent[99, 5], torch.tensor(1.0))  # one weight one ulp off, in the last row block
     assert exact_codes(bent, rows=16) is None
     assert exact_codes(w.double()) is None
 
