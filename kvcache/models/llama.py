@@ -492,6 +492,21 @@ class LlamaModel(nn.Module):
         packed = sum(m.packed_bytes for m in self.modules() if isinstance(m, Dense))
         return packed + sum(p.numel() * p.element_size() for p in self.parameters())
 
+    @property
+    def weight_read_bytes(self) -> int:
+        """Bytes of weights a decode step reads at least (the rooflines' figure): each linear layer in its smallest
+        form (its codes where it keeps them, else its panels or weight), and every other parameter but an embedding
+        table, whose rows are looked up, not read."""
+        dense = [m for m in self.modules() if isinstance(m, Dense)]
+        skip = {id(p) for m in dense for p in m.parameters(recurse=False)}
+        if self.embed is not None:
+            skip |= {id(p) for p in self.embed.parameters()}
+        total = 0
+        for m in dense:
+            smallest = m.codes if m.codes is not None else [m.packed if m.packed is not None else m.weight]
+            total += sum(t.numel() * t.element_size() for t in [*smallest, m.bias] if t is not None)
+        return total + sum(p.numel() * p.element_size() for p in self.parameters() if id(p) not in skip)
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp is not None:
             return self.tp.embed(self._embed_rows, ids)

@@ -129,6 +129,11 @@ def test_a_model_on_grid_weights_decodes_the_same_with_its_codes(grid_llama, mon
     assert all(m.codes is not None for m in linears)
     assert not any(m.codes is not None for m in without.engine.runner.model.modules() if isinstance(m, llama.Dense))
     assert model.decode_stack is not None
+    # a step reads the codes (the rooflines' bytes); memory holds them beside the panels
+    plain = without.engine.runner.model
+    codes = sum(t.numel() * t.element_size() for m in linears for t in m.codes)
+    assert model.weight_read_bytes == plain.weight_read_bytes - sum(m.packed.numel() * 4 for m in linears) + codes
+    assert model.weight_bytes == plain.weight_bytes + codes
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     prompts = [list(range(3 + i, 30 + 5 * i)) for i in range(3)]
 
