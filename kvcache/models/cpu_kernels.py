@@ -589,6 +589,35 @@ void pack_panels(torch::Tensor w, torch::Tensor out) {
 // 8 rows x 2 vectors of accumulators, their chunks' sums, 2 of weights and a broadcast (12 rows: 1-3% slower at
 // 2,048 rows, where the sums spill; 6: slower at 8)
 constexpr int PANEL_ROWS = 8;
+// A tile's pieces, which panel_rows and code_tile share (so both give the same floats): one input's FMAs into MR
+// rows' accumulators, a chunk's chains added to the sums in order, and the sums' first cols <= 32 stored
+template <int MR>
+static inline void tile_fma(const float* x, int64_t ldx, int64_t k, __m512 w0, __m512 w1, __m512 (&acc)[MR][2]) {
+#pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r) {
+    const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+    acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+    acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+  }
+}
+
+template <int MR>
+static inline void tile_sum(bool first, __m512 (&acc)[MR][2], float (&sum)[MR][2][16]) {
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h)
+      _mm512_store_ps(sum[r][h], first ? acc[r][h] : _mm512_add_ps(_mm512_load_ps(sum[r][h]), acc[r][h]));
+}
+
+template <int MR>
+static inline void tile_store(float (&sum)[MR][2][16], float* out, int64_t ldo, int64_t cols) {
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(out + r * ldo, m0, _mm512_load_ps(sum[r][0]));
+    _mm512_mask_storeu_ps(out + r * ldo + 16, m1, _mm512_load_ps(sum[r][1]));
+  }
+}
+
 // out [MR, cols] (row stride ldo) = x [MR, K] (row stride ldx) times panel w [K][32]; cols <= 32 are stored
 template <int MR>
 static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
@@ -599,28 +628,15 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = k0; k < std::min(K, k0 + PANEL_CHUNK); ++k) {
       ahead.tick();
-      const __m512 w0 = _mm512_loadu_ps(w + k * PANEL), w1 = _mm512_loadu_ps(w + k * PANEL + 16);
-#pragma GCC unroll 12
-      for (int r = 0; r < MR; ++r) {
-        const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
-        acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
-      }
+      tile_fma<MR>(x, ldx, k, _mm512_loadu_ps(w + k * PANEL), _mm512_loadu_ps(w + k * PANEL + 16), acc);
     }
-    for (int r = 0; r < MR; ++r)  // the chunks' sums in order
-      for (int h = 0; h < 2; ++h)
-        _mm512_store_ps(sum[r][h], k0 == 0 ? acc[r][h] : _mm512_add_ps(_mm512_load_ps(sum[r][h]), acc[r][h]));
+    tile_sum<MR>(k0 == 0, acc, sum);  // the chunks' sums in order
     // At 7 rows GCC kept the 28 sums in registers and moved the two weight vectors to the stack instead, reloading
     // them for every FMA (105 GFLOP/s against 220 at 6 and 8 rows, from cache): the barrier keeps the sums in
     // memory. At 8 rows it cost 6% (the compiler's own choice, spilling sums, is better there), so 7 only.
     if constexpr (MR == 7) asm volatile("" : : "r"(&sum[0][0][0]) : "memory");
   }
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-  for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(out + r * ldo, m0, _mm512_load_ps(sum[r][0]));
-    _mm512_mask_storeu_ps(out + r * ldo + 16, m1, _mm512_load_ps(sum[r][1]));
-  }
+  tile_store<MR>(sum, out, ldo, cols);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int PANEL_ROWS = 6;  // per half panel: 6 rows x 2 vectors of accumulators, 2 of weights, a broadcast: 15 of 16
@@ -869,24 +885,12 @@ static inline void code_tile(const Panels& w, int64_t p, const float* x, int64_t
       for (int64_t k = g * PANEL; k < (g + 1) * PANEL; ++k) {
         __m512 w0, w1;
         code_weights<BITS>(w, p, k, s0, s1, m0, m1, w0, w1);
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
-          acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
-        }
+        tile_fma<MR>(x, ldx, k, w0, w1, acc);
       }
     }
-    for (int r = 0; r < MR; ++r)  // the chunks' sums in order
-      for (int h = 0; h < 2; ++h)
-        _mm512_store_ps(sum[r][h], k0 == 0 ? acc[r][h] : _mm512_add_ps(_mm512_load_ps(sum[r][h]), acc[r][h]));
+    tile_sum<MR>(k0 == 0, acc, sum);
   }
-  const __mmask16 c0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-  const __mmask16 c1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-  for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(out + r * ldo, c0, _mm512_load_ps(sum[r][0]));
-    _mm512_mask_storeu_ps(out + r * ldo + 16, c1, _mm512_load_ps(sum[r][1]));
-  }
+  tile_store<MR>(sum, out, ldo, cols);
 }
 
 template <int BITS, int MR>
