@@ -146,31 +146,40 @@ static inline v16 exp_le0(v16 x) {
   return bad ? arg : under ? zero : y;
 }
 
+// The online softmax's step on a block, shared by decode and prefill: the scores s [nv vectors of 16], those at n
+// and past it masked (weight 0), become exp(s - m') with m' the new running maximum (m becomes m'), and their sum is
+// added to psum's lanes (psum starts at 0). Returns the factor the running sum and the unnormalised output must be
+// scaled by to m' first: 1 where there is nothing to rescale (the maximum kept, or the first scores).
+template <int NV>  // vectors of scores: NV, or nv at run time where NV is 0
+static inline float softmax_step(float* s, int64_t nv, int64_t n, float& m, v16& psum) {
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, none = (v16){} + NO_SCORE;
+  auto scores = [&](int64_t j) { const v16 x = *(const v16*)(s + j); return lane + (float)j < (float)n ? x : none; };
+  if constexpr (NV > 0) nv = NV;
+  v16 mv = none;
+  for (int64_t v = 0; v < nv; ++v) mv = vmax(mv, scores(16 * v));
+  const float mx = std::max(m, hmax(mv));
+  // not libm's expf: a call spills every vector register (and expf(-1e30) takes its slow underflow path)
+  const float corr = mx != m && m != NO_SCORE ? exp_le0((v16){} + (m - mx))[0] : 1.f;
+  m = mx;
+  psum = (v16){};
+  for (int64_t v = 0; v < nv; ++v) {
+    const v16 p = exp_le0(scores(16 * v) - mx);
+    *(v16*)(s + 16 * v) = p;
+    psum += p;
+  }
+  return corr;
+}
+
 // The online softmax over one block of n scores s (n >= 0; s has room for n rounded up to 16, and those past n
 // become 0): s[j] becomes exp(s[j] - m') with m' the new running maximum, and the running sum l and the
 // unnormalised output acc [D] are rescaled to m' before s's sum joins l.
 static inline void online_softmax(float* s, int64_t n, float& m, float& l, float* acc, int64_t D) {
-  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, none = (v16){} + NO_SCORE;
-  auto scores = [&](int64_t j) { const v16 x = *(const v16*)(s + j); return lane + (float)j < (float)n ? x : none; };
-  v16 mv = none;
-  for (int64_t j = 0; j < n; j += 16) mv = vmax(mv, scores(j));
-  const float mx = std::max(m, hmax(mv));
-  v16 sum = {};
-  for (int64_t j = 0; j < n; j += 16) {
-    const v16 p = exp_le0(scores(j) - mx);
-    *(v16*)(s + j) = p;
-    sum += p;
-  }
-  if (mx != m) {
-    if (m == NO_SCORE) {  // the first scores: nothing to rescale
-      l = 0.f;
-    } else {
-      const float corr = exp_le0((v16){} + (m - mx))[0];
-      l *= corr;
+  v16 sum;
+  const float corr = softmax_step<0>(s, (n + 15) / 16, n, m, sum);
+  if (corr != 1.f) {
+    l *= corr;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
-    }
-    m = mx;
+    for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
   }
   l += hsum(sum);
 }
@@ -179,24 +188,13 @@ static inline void online_softmax(float* s, int64_t n, float& m, float& l, float
 // become weight 0): the running sum stays 16 lanes wide (l16, summed once at the end) and the two vectors of
 // scores never leave registers between the maximum and the exponentials.
 static inline void online_softmax32(float* s, int64_t valid, float& m, v16& l16, float* acc, int64_t D) {
-  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, none = (v16){} + NO_SCORE;
-  const float fv = (float)valid;
-  v16 s0 = *(const v16*)s, s1 = *(const v16*)(s + 16);
-  s0 = lane < fv ? s0 : none;
-  s1 = lane + 16.f < fv ? s1 : none;
-  const float mx = std::max(m, hmax(vmax(s0, s1)));
-  if (mx != m) {
-    if (m != NO_SCORE) {  // the first scores have nothing to rescale (l16 and acc are 0)
-      const float corr = exp_le0((v16){} + (m - mx))[0];  // not libm's: a call spills every vector register
-      l16 *= corr;
-      for (int64_t d = 0; d < D; d += 16) *(v16*)(acc + d) *= corr;
-    }
-    m = mx;
+  v16 sum;
+  const float corr = softmax_step<2>(s, 2, valid, m, sum);
+  if (corr != 1.f) {
+    l16 *= corr;
+    for (int64_t d = 0; d < D; d += 16) *(v16*)(acc + d) *= corr;
   }
-  const v16 p0 = exp_le0(s0 - mx), p1 = exp_le0(s1 - mx);
-  *(v16*)s = p0;
-  *(v16*)(s + 16) = p1;
-  l16 += p0 + p1;
+  l16 += sum;
 }
 
 // Blocks read ahead: the first ones at a work item's start at once (a split's first blocks had been demand misses),
