@@ -609,10 +609,16 @@ static inline void tile_sum(bool first, __m512 (&acc)[MR][2], float (&sum)[MR][2
       _mm512_store_ps(sum[r][h], first ? acc[r][h] : _mm512_add_ps(_mm512_load_ps(sum[r][h]), acc[r][h]));
 }
 
+// the lanes of a panel's two vectors that hold its first cols <= 32 outputs
+static inline void tile_masks(int64_t cols, __mmask16& m0, __mmask16& m1) {
+  m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+  m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+}
+
 template <int MR>
 static inline void tile_store(float (&sum)[MR][2][16], float* out, int64_t ldo, int64_t cols) {
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+  __mmask16 m0, m1;
+  tile_masks(cols, m0, m1);
   for (int r = 0; r < MR; ++r) {
     _mm512_mask_storeu_ps(out + r * ldo, m0, _mm512_load_ps(sum[r][0]));
     _mm512_mask_storeu_ps(out + r * ldo + 16, m1, _mm512_load_ps(sum[r][1]));
@@ -861,9 +867,8 @@ static void code_row(const Panels& w, const int64_t p[2], const float* x, float*
       for (int h = 0; h < 2; ++h) sum[i][h] = k0 == 0 ? acc[i][h] : _mm512_add_ps(sum[i][h], acc[i][h]);
   }
   for (int i = 0; i < (two ? 2 : 1); ++i) {
-    const int64_t n = cols[i];
-    const __mmask16 m0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
-    const __mmask16 m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+    __mmask16 m0, m1;
+    tile_masks(cols[i], m0, m1);
     _mm512_mask_storeu_ps(out[i], m0, sum[i][0]);
     _mm512_mask_storeu_ps(out[i] + 16, m1, sum[i][1]);
   }
@@ -912,13 +917,18 @@ static void code_pass(const Panels& w, int64_t p, const float* x, int64_t rows, 
   }
 }
 
+// code_row<w.bits>
+static void code_row(const Panels& w, const int64_t p[2], const float* x, float* const out[2], const int64_t cols[2]) {
+  if (w.bits == 4) code_row<4>(w, p, x, out, cols);
+  else code_row<8>(w, p, x, out, cols);
+}
+
 // code_row of panels p0 and p1 (-1: none) at their columns of a row of N outputs
 static void code_row(const Panels& w, int64_t p0, int64_t p1, const float* x, float* row, int64_t N) {
   const int64_t p[2] = {p0, p1};
   const int64_t cols[2] = {std::min(PANEL, N - p0 * PANEL), p1 < 0 ? 0 : std::min(PANEL, N - p1 * PANEL)};
   float* const out[2] = {row + p0 * PANEL, row + std::max<int64_t>(p1, 0) * PANEL};
-  if (w.bits == 4) code_row<4>(w, p, x, out, cols);
-  else code_row<8>(w, p, x, out, cols);
+  code_row(w, p, x, out, cols);
 }
 #endif
 
@@ -1135,8 +1145,7 @@ static void panels_gate_up_silu(torch::Tensor act, const torch::Tensor& x, const
       for (int64_t j = begin; j < end; ++j) {
         const int64_t p[2] = {j, j + half}, cols[2] = {PANEL, PANEL};
         float* const out[2] = {ap + j * PANEL, up};
-        if (w.bits == 4) code_row<4>(w, p, xp, out, cols);
-        else code_row<8>(w, p, xp, out, cols);
+        code_row(w, p, xp, out, cols);
         silu_mul_span(ap + j * PANEL, up, ap + j * PANEL, PANEL, vec);
       }
     });

@@ -126,11 +126,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b through the C++ kernel (cpu_kernels' panel_linear) on W [n_out, in] packed by its pack_panels."""
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,
+                 codes: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """x W^T + b through the C++ kernel (cpu_kernels' panel_linear) on W [n_out, in] packed by its pack_panels, or
+    for a step of up to code_rows() rows on W's codes where it has them (code_panel_linear: the same floats)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape[0], n_out, dtype=x.dtype)
-    cpu_kernels.load().panel_linear(out, rows, panels)
+    if codes is not None and rows.shape[0] <= cpu_kernels.code_rows():
+        cpu_kernels.load().code_panel_linear(out, rows, *codes)
+    else:
+        cpu_kernels.load().panel_linear(out, rows, panels)
     if bias is not None:
         out.add_(bias)
     return out.view(*x.shape[:-1], n_out)
@@ -156,17 +161,10 @@ class Dense(nn.Module):
         self.codes: tuple[torch.Tensor, ...] | None = None  # or as code panels (pack_code_panels): codes, scale, min
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.codes is not None and x.numel() <= self.in_features * cpu_kernels.code_rows():
-            rows = x.reshape(-1, self.in_features).contiguous()  # a small step: the codes, decoded in registers
-            out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
-            cpu_kernels.load().code_panel_linear(out, rows, *self.codes)
-            if self.bias is not None:
-                out.add_(self.bias)
-            return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             if self.packed.is_mkldnn:
                 return packed_linear(x, self.packed, self.bias)
-            return panel_linear(x, self.packed, self.out_features, self.bias)
+            return panel_linear(x, self.packed, self.out_features, self.bias, self.codes)
         return torch.matmul(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
     def pack(self, keep_dense: bool = False) -> bool:
