@@ -84,6 +84,7 @@ class _TimedKernels:
         self._k = kernels
         self.attn_in = prof.timed(kernels.attn_in, "_kernel")
         self.mlp = prof.timed(kernels.mlp, "_kernel")
+        self.decode_layers = prof.timed(kernels.decode_layers, "_kernel")  # a decode step's layers, natively
 
     def __getattr__(self, name):
         return getattr(self._k, name)

@@ -302,3 +302,36 @@ def test_bench_linear_times_each_layout_against_onednn(tiny_llama, tmp_path, cap
     assert "panels/onednn" in capsys.readouterr().out
     assert main(["bench", "linear", "--model", tiny_llama, "--rows", "0"]) == 2  # refused before anything runs
     assert main(["bench", "linear", "--model", tiny_llama, "--layouts", "mkl"]) == 2
+
+
+@pytest.mark.bench
+def test_profile_counts_the_native_decode_loop_as_kernels(tiny_llama):
+    """A decode step's layers in one native call (decode_layers) are kernel time, not "rest of forward": a 30 ms
+    delay put inside that call lands in the kernels column of every decode step that made it."""
+    import time
+
+    from kvcache import LLM, SamplingParams
+    from kvcache.bench.step_profile import profiling
+    llm = LLM(tiny_llama, device="cpu", kv_cache_memory="4MiB", enable_prefix_caching=False)
+    first = llm.engine.runner.model.layers[0]
+    if first.kernels is None or llm.engine.runner.model.decode_stack is None:
+        pytest.skip("no native decode loop on this build")
+    real, calls = first.kernels, []
+
+    class Delayed:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_layers(self, *a):
+            calls.append(1)
+            time.sleep(0.03)
+            return real.decode_layers(*a)
+
+    first.kernels = Delayed()
+    with profiling(llm.engine) as prof:
+        llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    first.kernels = real
+    decode = prof.rows["decode 1"]
+    assert len(calls) == decode["steps"] == 3
+    assert decode["kernels_s"] >= 0.03 * len(calls)
+    assert decode["forward_other_s"] < 0.03
