@@ -31,6 +31,7 @@ _SOURCE = r"""
 #include <cstring>
 #include <immintrin.h>
 #include <math.h>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -92,9 +93,15 @@ struct Prefetcher {
     per = ((na + nb) / 64 + pieces - 1) / pieces + 1;
   }
   void step() { issue(per); }
-  void issue(int64_t lines) {
-    for (int r = 0; r < 2 && lines > 0; ++r)
-      for (; left[r] > 0 && lines > 0; --lines, p[r] += 64, left[r] -= 64) __builtin_prefetch(p[r], 0, 2);
+  void issue(int64_t lines) {  // the range's pointer and count in registers: stored back once, not once a line
+    for (int r = 0; r < 2 && lines > 0; ++r) {
+      const int64_t n = std::min(lines, (left[r] + 63) / 64);
+      const char* a = p[r];
+      for (int64_t i = 0; i < n; ++i) __builtin_prefetch(a + 64 * i, 0, 2);
+      p[r] = a + 64 * std::max<int64_t>(n, 0);
+      left[r] -= 64 * std::max<int64_t>(n, 0);
+      lines -= std::max<int64_t>(n, 0);
+    }
   }
   void flush() { issue(INT64_MAX); }
 };
@@ -689,7 +696,7 @@ static void decode(const Decode& c, const Src& proto) {
   }
   for (int64_t b = 0; b < c.B; ++b) prow[b + 1] = prow[b] + (splits[b] > 1 ? splits[b] : 0);
   const int64_t items = first[U];
-  std::vector<float> partial(prow[c.B] * P);
+  std::unique_ptr<float[]> partial(new float[prow[c.B] * P]);  // not zeroed: the combine reads only what items wrote
   int64_t most = 1;
   for (int64_t n : size) most = std::max(most, n);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -714,7 +721,7 @@ static void decode(const Decode& c, const Src& proto) {
         if (n == 1) {
           normalise(c.out + (b + r) * H * D, acc.data() + r * H * D, l + r * H, H, D);
         } else {
-          float* p = partial.data() + (prow[b + r] + sp) * P;
+          float* p = partial.get() + (prow[b + r] + sp) * P;
           std::copy(m + r * H, m + (r + 1) * H, p);
           std::copy(l + r * H, l + (r + 1) * H, p + H);
           std::copy(acc.data() + r * H * D, acc.data() + (r + 1) * H * D, p + 2 * H);
@@ -730,7 +737,7 @@ static void decode(const Decode& c, const Src& proto) {
       // the row's own splits: those of its run past its length hold nothing, and leaving them out keeps its
       // arithmetic (the loop's trip count) what it is alone
       const int64_t n = c.splits(b);
-      const float* p0 = partial.data() + prow[b] * P;
+      const float* p0 = partial.get() + prow[b] * P;
       float* o = c.out + b * H * D;
       if (n == 1) {
         normalise(o, p0 + 2 * H, p0 + H, H, D);

@@ -628,7 +628,10 @@ static inline void tile_store(float (&sum)[MR][2][16], float* out, int64_t ldo, 
 // out [MR, cols] (row stride ldo) = x [MR, K] (row stride ldx) times panel w [K][32]; cols <= 32 are stored
 template <int MR>
 static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
-                              int64_t cols, PanelAhead ahead) {
+                              int64_t cols, const PanelAhead& ahead_) {
+  // a local copy the compiler keeps in registers: a struct passed by value was stored field by field and read back
+  // as one vector, a store-forwarding stall per call (half the samples of panels_linear's own code)
+  PanelAhead ahead = ahead_;
   __m512 acc[MR][2];
   alignas(64) float sum[MR][2][16];
   for (int64_t k0 = 0; k0 < K; k0 += PANEL_CHUNK) {
@@ -649,7 +652,8 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
 constexpr int PANEL_ROWS = 6;  // per half panel: 6 rows x 2 vectors of accumulators, 2 of weights, a broadcast: 15 of 16
 template <int MR>
 static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
-                              int64_t cols, PanelAhead ahead) {
+                              int64_t cols, const PanelAhead& ahead_) {
+  PanelAhead ahead = ahead_;  // (as above)
   for (int64_t half = 0; half < 2 && half * 16 < cols; ++half) {
     const float* wh = w + half * 16;
     __m256 acc[MR][2], sum[MR][2];
@@ -681,7 +685,7 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
 constexpr int PANEL_ROWS = 4;
 template <int MR>
 static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
-                              int64_t cols, PanelAhead ahead) {
+                              int64_t cols, const PanelAhead&) {
   for (int r = 0; r < MR; ++r)
     for (int64_t j = 0; j < cols; ++j) {
       float sum = 0.f;
@@ -698,7 +702,7 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
 // panel_rows<m> for a run-time m <= MR
 template <int MR>
 static inline void panel_block(int64_t m, const float* x, int64_t ldx, const float* w, int64_t K, float* out,
-                               int64_t ldo, int64_t cols, PanelAhead ahead) {
+                               int64_t ldo, int64_t cols, const PanelAhead& ahead) {
   if constexpr (MR > 1) {
     if (m < MR) return panel_block<MR - 1>(m, x, ldx, w, K, out, ldo, cols, ahead);
   }
