@@ -93,15 +93,9 @@ struct Prefetcher {
     per = ((na + nb) / 64 + pieces - 1) / pieces + 1;
   }
   void step() { issue(per); }
-  void issue(int64_t lines) {  // the range's pointer and count in registers: stored back once, not once a line
-    for (int r = 0; r < 2 && lines > 0; ++r) {
-      const int64_t n = std::min(lines, (left[r] + 63) / 64);
-      const char* a = p[r];
-      for (int64_t i = 0; i < n; ++i) __builtin_prefetch(a + 64 * i, 0, 2);
-      p[r] = a + 64 * std::max<int64_t>(n, 0);
-      left[r] -= 64 * std::max<int64_t>(n, 0);
-      lines -= std::max<int64_t>(n, 0);
-    }
+  void issue(int64_t lines) {
+    for (int r = 0; r < 2 && lines > 0; ++r)
+      for (; left[r] > 0 && lines > 0; --lines, p[r] += 64, left[r] -= 64) __builtin_prefetch(p[r], 0, 2);
   }
   void flush() { issue(INT64_MAX); }
 };
