@@ -306,8 +306,9 @@ def test_bench_linear_times_each_layout_against_onednn(tiny_llama, tmp_path, cap
 
 @pytest.mark.bench
 def test_profile_counts_the_native_decode_loop_as_kernels(tiny_llama):
-    """A decode step's layers in one native call (decode_layers) are kernel time, not "rest of forward": a 30 ms
-    delay put inside that call lands in the kernels column of every decode step that made it."""
+    """A decode step's layers in one native call (decode_layers) are kernel time, not "rest of forward": a 100 ms
+    delay put inside that call lands in the kernels column of every decode step that made it (and the rest of the
+    forward stays under one delay, so the check holds on a loaded machine)."""
     import time
 
     from kvcache import LLM, SamplingParams
@@ -324,7 +325,7 @@ def test_profile_counts_the_native_decode_loop_as_kernels(tiny_llama):
 
         def decode_layers(self, *a):
             calls.append(1)
-            time.sleep(0.03)
+            time.sleep(0.1)
             return real.decode_layers(*a)
 
     first.kernels = Delayed()
@@ -333,5 +334,5 @@ def test_profile_counts_the_native_decode_loop_as_kernels(tiny_llama):
     first.kernels = real
     decode = prof.rows["decode 1"]
     assert len(calls) == decode["steps"] == 3
-    assert decode["kernels_s"] >= 0.03 * len(calls)
-    assert decode["forward_other_s"] < 0.03
+    assert decode["kernels_s"] >= 0.1 * len(calls)
+    assert decode["forward_other_s"] < 0.1
