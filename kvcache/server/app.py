@@ -25,7 +25,7 @@ from kvcache.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvcache.messages import describe
 from kvcache.server import kv_page
 from kvcache.server.engine_loop import EngineDeadError, EngineLoop
-from kvcache.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs, joined
+from kvcache.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs, joined, prompt_entries
 from kvcache.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, validation_error)
 
@@ -162,7 +162,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
                 raise APIError(400, f"{name} is not supported by this server", param=name)
         # echo: each choice's text starts with its prompt (token ids decoded), and its logprobs with the prompt's
         params = _params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
-                         req.logprobs if req.echo else None)
+                         _prompt_top(req, req.logprobs if req.echo else None))
         prompts = req.prompts()
         admit(len(prompts))  # refuse early, before tokenizing; _generate checks again before queueing
         echo = [p if isinstance(p, str) else _decode(tokenizer, p) for p in prompts] if req.echo else None
@@ -180,7 +180,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
             raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                            param="top_logprobs")
         params = _params(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-                         (req.top_logprobs or 0) if req.logprobs else None)
+                         (req.top_logprobs or 0) if req.logprobs else None, _prompt_top(req))
         admit(1)
         prompt = await encode(chat_prompt(tokenizer, req.messages, req.add_generation_prompt), False)
         return await _generate(request, req, "chatcmpl", "chat.completion", [prompt], params)
@@ -209,7 +209,8 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
                 raise APIError(400, str(e), param=_param_of(str(e)))
             raise e
         created = int(time.time())
-        shape = LogprobShape(kind, texts, params.logprobs, dict(zip(ids, echo)) if echo else {})
+        shape = LogprobShape(kind, texts, params.logprobs, dict(zip(ids, echo)) if echo else {},
+                             (req.prompt_logprobs, params.prompt_logprobs))
         if req.stream:
             body = _stream(request, loop, out, ids, rid, kind, created, model_name, params, req.include_usage, shape)
             return StreamingResponse(body, media_type="text/event-stream")
@@ -277,6 +278,18 @@ class Guard:
                                 type="authentication_error", code="invalid_api_key")
             scope["state"]["authorized"] = True
         return None
+
+
+def _prompt_top(req, echo: int | None = None) -> int | None:
+    """The prompt logprobs the engine keeps: the most of vLLM's `prompt_logprobs` (checked here: another
+    endpoint's need of them could hide its bad value) and completions' echo (its `logprobs`), None for none."""
+    k = req.prompt_logprobs
+    if k is not None and req.stream:
+        raise APIError(400, "prompt_logprobs is not available with stream: true (as in vLLM)", param="prompt_logprobs")
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise APIError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}", param="prompt_logprobs")
+    wanted = [x for x in (k, echo) if x is not None]
+    return max(wanted) if wanted else None
 
 
 def _params(req, max_tokens, logprobs=None, prompt_logprobs=None):
@@ -372,15 +385,24 @@ def _usage(finals: list[RequestOutput]) -> dict:
 class LogprobShape:
     """A request's logprobs in its endpoint's shape (server/logprobs.py), or None where it asked for none."""
 
-    def __init__(self, kind: str, texts: TokenTexts, top: int | None, echo: dict[str, str]) -> None:
+    def __init__(self, kind: str, texts: TokenTexts, top: int | None, echo: dict[str, str],
+                 prompt_top: tuple[int | None, int | None] = (None, None)) -> None:
         self.chat, self.texts, self.top = kind == "chat.completion", texts, top
         self.echo = echo  # completions with echo: sub-request id -> its prompt's text
+        self.prompt_top = prompt_top  # (vLLM's prompt_logprobs asked for, the engine's count kept)
 
     def prompt(self, o: RequestOutput) -> tuple[dict | None, int]:
         """An echoed prompt's logprobs (completions shape) and the text offset after it."""
         if self.top is None:
             return None, 0
         return completion_logprobs(self.texts, o.prompt_token_ids, o.prompt_logprobs, self.top, 0)
+
+    def prompt_logprobs(self, o: RequestOutput) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs` of a prompt (server/logprobs.py), or None where the request asked for none."""
+        k, kept = self.prompt_top
+        if k is None:
+            return None
+        return prompt_entries(self.texts, o.prompt_token_ids, o.prompt_logprobs, k, kept)
 
     def of(self, c, start: int = 0, offset: int = 0) -> tuple[dict | None, int]:
         """The logprobs of choice `c`'s tokens from `start` on (a completion's text offsets from `offset`), and the
@@ -411,9 +433,14 @@ def _response(finals: dict[str, RequestOutput], ids: list[str], rid: str, kind: 
                 choice["logprobs"] = shape.of(c)[0]
             if c.stop_reason is not None:
                 choice["stop_reason"] = c.stop_reason
+            if kind != "chat.completion" and shape.prompt_top[0] is not None:  # vLLM's: per choice, its prompt's
+                choice["prompt_logprobs"] = shape.prompt_logprobs(finals[sub_id])
             choices.append(choice)
-    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
+    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
             "usage": _usage([finals[i] for i in ids])}
+    if kind == "chat.completion" and shape.prompt_top[0] is not None:  # vLLM's: the response's one prompt
+        body["prompt_logprobs"] = shape.prompt_logprobs(finals[ids[0]])
+    return body
 
 
 def _sse(data: dict) -> str:

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API (pydantic), their mapping to SamplingParams, and error bodies.
 
 Fields follow OpenAI's completions and chat APIs plus vLLM's extras (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, cache_salt). Unknown fields are
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, cache_salt, prompt_logprobs). Unknown fields are
 ignored, as vLLM does; fields whose meaning this server cannot honour are refused.
 """
 from __future__ import annotations
@@ -76,6 +76,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the k most likely (not with stream)
     # kvcache's: this request's token eviction, overriding the server's --kv-eviction / --kv-budget
     kv_eviction: str | None = None
     kv_budget: int | float | str | None = None

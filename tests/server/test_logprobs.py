@@ -1,7 +1,7 @@
 """Log probabilities through the OpenAI API (the `openai` client against a live server): chat's `logprobs` /
 `top_logprobs` and completions' `logprobs`, whole and streamed, checked against transformers' log-softmax on the
 same weights and against the offline engine; completions' `echo` with the prompt's logprobs (what lm-evaluation-
-harness's loglikelihood requests send); and their bad values."""
+harness's loglikelihood requests send); vLLM's `prompt_logprobs`; and their bad values."""
 from __future__ import annotations
 
 import httpx
@@ -138,6 +138,58 @@ def test_echo_whole_and_streamed_with_text_and_token_prompts(client, offline):
         assert streamed == client.completions.create(**body, logprobs=2).choices[0].logprobs.token_logprobs
 
 
+def _check_prompt_entries(entries, ids, oracle, offline, k):
+    """vLLM's prompt_logprobs against transformers: None first, then each token's logprob and the k most likely,
+    with 1-based ranks among those and each id's text (compared by value: a random model's ties make the ids of
+    the k most likely a choice)."""
+    assert len(entries) == len(ids) and entries[0] is None
+    for i in range(1, len(ids)):
+        want = oracle(ids[:i])
+        best = want.topk(k).values.tolist()
+        entry = {int(j): v for j, v in entries[i].items()}
+        assert ids[i] in entry and len(entry) in (k, k + 1)
+        for j, v in entry.items():
+            assert v["logprob"] == pytest.approx(want[j].item(), abs=1e-4)
+            assert v["decoded_token"] == _text(offline, j)
+            if v["rank"] is not None:
+                assert v["logprob"] == pytest.approx(best[v["rank"] - 1], abs=1e-4)
+        others = sorted(v["rank"] for j, v in entry.items() if j != ids[i] or len(entry) == k)
+        assert others == list(range(1, k + 1))
+        rank = entry[ids[i]]["rank"]
+        if rank is None:  # ranked past the count the engine kept: unknown, null
+            assert want[ids[i]].item() <= best[-1] + 1e-4
+        else:  # its place among the engine's most likely, past the k shown or among them
+            assert rank == 1 + sum(x > want[ids[i]].item() + 1e-6 for x in want.topk(rank).values.tolist())
+
+
+def test_prompt_logprobs_in_completions_and_chat_as_vllm_gives_them(live, client, offline, oracle):
+    """vLLM's extra `prompt_logprobs: k`: completions put each prompt's on its choices, chat on the response;
+    with echo, both come from one count the engine keeps (the larger), each cut to its own."""
+    ids = offline.get_tokenizer().encode(PROMPT)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, n=2,
+                                    extra_body={"prompt_logprobs": 2, "ignore_eos": True})
+    for choice in got.choices:
+        _check_prompt_entries(choice.prompt_logprobs, ids, oracle, offline, 2)
+    for echo_k, k in ((1, 3), (4, 1)):
+        both = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, echo=True,
+                                         logprobs=echo_k, extra_body={"prompt_logprobs": k})
+        _check_prompt_entries(both.choices[0].prompt_logprobs, ids, oracle, offline, k)
+        alone = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, echo=True,
+                                          logprobs=echo_k)
+        assert both.choices[0].logprobs == alone.choices[0].logprobs  # echo's own count, not the engine's larger
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert getattr(plain.choices[0], "prompt_logprobs", None) is None
+
+    messages = [{"role": "user", "content": "w12 w13 w14"}]
+    r = httpx.post(f"{live.url}/tokenize", json={"model": MODEL, "messages": messages},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    chat_ids = r.json()["tokens"]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 1})
+    assert chat.usage.prompt_tokens == len(chat_ids)
+    _check_prompt_entries(chat.prompt_logprobs, chat_ids, oracle, offline, 1)
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "logprobs": True, "top_logprobs": 21},
@@ -147,6 +199,13 @@ def test_echo_whole_and_streamed_with_text_and_token_prompts(client, offline):
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": "many"}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": -1, "echo": True, "logprobs": 3}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "prompt_logprobs": 2, "stream": True},
+     "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "prompt_logprobs": "all"},
+     "prompt_logprobs"),
 ])
 def test_bad_logprobs_values_are_refused(live, path, body, param):
     r = httpx.post(f"{live.url}{path}", json={"model": MODEL, **body},
