@@ -49,6 +49,8 @@ class RequestOutput:
     error: str | None = None
     # with SamplingParams.prompt_logprobs: prompt token i's {its id: logprob, top ids: theirs}, None for the first
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # and each prompt token's rank in the model's distribution (1-based, as vLLM's Logprob.rank), None for the first
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 class RequestFailedError(RuntimeError):
@@ -93,6 +95,6 @@ def request_output(req: Request, finished: bool, detokenize: Callable[[Sequence]
         comps.append(CompletionOutput(s.index, text, s.output_token_ids, s.finish_reason, s.stop_reason,
                                       list(s.logprobs) if logprobs else None, s.cumulative_logprob if logprobs else None))
     first = next((s for s in req.seqs if s.index == 0), None)
-    prompt_lps = list(first.prompt_logprobs) if first is not None and req.params.prompt_logprobs is not None else None
+    wanted = first is not None and req.params.prompt_logprobs is not None
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished, req.metrics, req.error,
-                         prompt_lps)
+                         list(first.prompt_logprobs) if wanted else None, list(first.prompt_ranks) if wanted else None)

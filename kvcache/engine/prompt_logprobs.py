@@ -47,9 +47,10 @@ def take(chunks: list[tuple[Sequence, int]], specs: list[SeqChunk], every_row: d
 
 def _record(seq: Sequence, start: int, rows: torch.Tensor) -> None:
     """Entries from the logits `rows` of positions [start, start + len(rows)) that the sequence lacks."""
-    entries = seq.prompt_logprobs
+    entries, ranks = seq.prompt_logprobs, seq.prompt_ranks
     if not entries:
         entries.append(None)  # the first prompt token has no tokens before it
+        ranks.append(None)
     first = len(entries) - 1 - start  # the row of the first missing entry
     stop = min(rows.shape[0], seq.num_prompt_tokens - 1 - start)
     if first < 0:
@@ -57,4 +58,5 @@ def _record(seq: Sequence, start: int, rows: torch.Tensor) -> None:
                            f"entries from {len(entries)} on")
     for a in range(first, stop, SLICE):  # a slice at a time: log_softmax's copy stays small beside the logits
         b = min(stop, a + SLICE)
-        entries.extend(logprob_dicts(rows[a:b], seq.token_ids[start + a + 1:start + b + 1], seq.params.prompt_logprobs))
+        entries.extend(logprob_dicts(rows[a:b], seq.token_ids[start + a + 1:start + b + 1], seq.params.prompt_logprobs,
+                                     ranks))

@@ -400,11 +400,16 @@ def _positions(rows: list[int], tokens: list[list[int]], vocab: int,
     return _dev(rows, device)[owner] * vocab + flat.to(device, non_blocking=True), owner
 
 
-def logprob_dicts(logits: torch.Tensor, tokens: list[int], count: int) -> list[dict[int, float]]:
+def logprob_dicts(logits: torch.Tensor, tokens: list[int], count: int,
+                  ranks: list[int] | None = None) -> list[dict[int, float]]:
     """Per row of raw logits: {tokens[i]: its logprob, and the `count` most likely ids: theirs} (vLLM's logprobs,
-    of the model's distribution)."""
-    return _logprob_dicts(logits.float().log_softmax(-1), torch.tensor(tokens, device=logits.device),
-                          [count] * len(tokens))
+    of the model's distribution). `ranks`, where given, is extended by each token's rank in its row: 1 + how many
+    ids are strictly more likely (vLLM's)."""
+    logprobs = logits.float().log_softmax(-1)
+    ids = torch.tensor(tokens, device=logits.device)
+    if ranks is not None:
+        ranks.extend(((logprobs > logprobs.gather(1, ids[:, None])).sum(-1) + 1).tolist())
+    return _logprob_dicts(logprobs, ids, [count] * len(tokens))
 
 
 def _logprob_dicts(logprobs: torch.Tensor, sampled: torch.Tensor, counts: list[int]) -> list[dict[int, float]]:

@@ -35,6 +35,7 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # with params.prompt_logprobs: entry i is prompt token i's (None for the first), filled as the prompt's chunks run
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)  # each prompt token's rank in its row, alike
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     text: str = ""  # detokenized output, kept current only when stop strings need it

@@ -210,7 +210,7 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
             raise e
         created = int(time.time())
         shape = LogprobShape(kind, texts, params.logprobs, dict(zip(ids, echo)) if echo else {},
-                             (req.prompt_logprobs, params.prompt_logprobs))
+                             req.prompt_logprobs)
         if req.stream:
             body = _stream(request, loop, out, ids, rid, kind, created, model_name, params, req.include_usage, shape)
             return StreamingResponse(body, media_type="text/event-stream")
@@ -386,10 +386,10 @@ class LogprobShape:
     """A request's logprobs in its endpoint's shape (server/logprobs.py), or None where it asked for none."""
 
     def __init__(self, kind: str, texts: TokenTexts, top: int | None, echo: dict[str, str],
-                 prompt_top: tuple[int | None, int | None] = (None, None)) -> None:
+                 prompt_top: int | None = None) -> None:
         self.chat, self.texts, self.top = kind == "chat.completion", texts, top
         self.echo = echo  # completions with echo: sub-request id -> its prompt's text
-        self.prompt_top = prompt_top  # (vLLM's prompt_logprobs asked for, the engine's count kept)
+        self.prompt_top = prompt_top  # vLLM's prompt_logprobs, the k asked for
 
     def prompt(self, o: RequestOutput) -> tuple[dict | None, int]:
         """An echoed prompt's logprobs (completions shape) and the text offset after it."""
@@ -399,10 +399,10 @@ class LogprobShape:
 
     def prompt_logprobs(self, o: RequestOutput) -> list[dict | None] | None:
         """vLLM's `prompt_logprobs` of a prompt (server/logprobs.py), or None where the request asked for none."""
-        k, kept = self.prompt_top
-        if k is None:
+        if self.prompt_top is None:
             return None
-        return prompt_entries(self.texts, o.prompt_token_ids, o.prompt_logprobs, k, kept)
+        return prompt_entries(self.texts, o.prompt_token_ids, o.prompt_logprobs, o.prompt_logprob_ranks,
+                              self.prompt_top)
 
     def of(self, c, start: int = 0, offset: int = 0) -> tuple[dict | None, int]:
         """The logprobs of choice `c`'s tokens from `start` on (a completion's text offsets from `offset`), and the
@@ -433,12 +433,12 @@ def _response(finals: dict[str, RequestOutput], ids: list[str], rid: str, kind: 
                 choice["logprobs"] = shape.of(c)[0]
             if c.stop_reason is not None:
                 choice["stop_reason"] = c.stop_reason
-            if kind != "chat.completion" and shape.prompt_top[0] is not None:  # vLLM's: per choice, its prompt's
+            if kind != "chat.completion" and shape.prompt_top is not None:  # vLLM's: per choice, its prompt's
                 choice["prompt_logprobs"] = shape.prompt_logprobs(finals[sub_id])
             choices.append(choice)
     body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
             "usage": _usage([finals[i] for i in ids])}
-    if kind == "chat.completion" and shape.prompt_top[0] is not None:  # vLLM's: the response's one prompt
+    if kind == "chat.completion" and shape.prompt_top is not None:  # vLLM's: the response's one prompt
         body["prompt_logprobs"] = shape.prompt_logprobs(finals[ids[0]])
     return body
 

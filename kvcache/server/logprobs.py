@@ -64,23 +64,21 @@ def completion_logprobs(texts: TokenTexts, token_ids: list[int], lps: list[dict[
     return out, offset
 
 
-def prompt_entries(texts: TokenTexts, token_ids: list[int], lps: list[dict[int, float] | None], k: int,
-                   kept: int) -> list[dict | None]:
+def prompt_entries(texts: TokenTexts, token_ids: list[int], lps: list[dict[int, float] | None],
+                   ranks: list[int | None], k: int) -> list[dict | None]:
     """vLLM's `prompt_logprobs` for a prompt: per token, None for the first (nothing comes before it), else
-    {id: {"logprob", "rank", "decoded_token"}} for the token and the `k` most likely (ids as JSON keys, strings).
-    `lps` holds the engine's `kept` >= k most likely and the token; a rank is 1-based among those, and null for a
-    prompt token outside them (the engine keeps no ranking past them)."""
+    {id: {"logprob", "rank", "decoded_token"}} for the `k` most likely (ranks 1 to k) and the token (its rank in
+    the whole distribution, `ranks`'), ids as JSON keys (strings). `lps` may hold more than k: the engine keeps
+    the most any part of the response needs."""
     out: list[dict | None] = []
-    for t, d in zip(token_ids, lps):
+    for t, d, rank in zip(token_ids, lps, ranks):
         if d is None:
             out.append(None)
             continue
-        ranked = sorted(d.items(), key=lambda kv: -kv[1])
-        rank = {i: r + 1 for r, (i, _) in enumerate(ranked) if r < kept or len(d) <= kept}
-        entry = {i: v for i, v in ranked[:k]}
-        entry.setdefault(t, d[t])
-        out.append({str(i): {"logprob": _lp(v), "rank": rank.get(i), "decoded_token": texts.text(i)}
-                    for i, v in entry.items()})
+        entry = {i: (v, r + 1) for r, (i, v) in enumerate(_ranked(d, k))}
+        entry[t] = (d[t], rank)
+        out.append({str(i): {"logprob": _lp(v), "rank": r, "decoded_token": texts.text(i)}
+                    for i, (v, r) in entry.items()})
     return out
 
 

@@ -1,6 +1,6 @@
 """SamplingParams.prompt_logprobs: every prompt token's log probability given the tokens before it, against
 transformers' teacher-forced log-softmax on the same weights, whatever the chunking, the prefix cache, a
-preemption or the other requests of the step."""
+preemption or the other requests of the step; and each prompt token's rank."""
 from __future__ import annotations
 
 import random
@@ -31,6 +31,25 @@ def reference(tiny_llama):
     return entries
 
 
+@pytest.fixture(scope="module")
+def ranks(tiny_llama):
+    """(lowest, highest) rank of each prompt token after the ones before it, None for the first: 1 + how many ids
+    transformers finds more likely, with float ties either way."""
+    model = hf_model(tiny_llama)
+
+    def of(ids: list[int]) -> list[tuple[int, int] | None]:
+        with torch.no_grad():
+            lp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        return [None] + [(int((lp[i - 1] > lp[i - 1, ids[i]] + 1e-5).sum()) + 1,
+                          int((lp[i - 1] > lp[i - 1, ids[i]] - 1e-5).sum())) for i in range(1, len(ids))]
+    return of
+
+
+def _assert_ranks(got, want) -> None:
+    assert len(got) == len(want) and got[0] is None
+    assert all(lo <= g <= hi for g, (lo, hi) in zip(got[1:], want[1:])), (got, want)
+
+
 def _prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 300) for _ in range(n)]
@@ -43,7 +62,7 @@ def _assert_entries(got, want) -> None:
         assert list(g.values()) == pytest.approx(list(w.values()), abs=1e-4)
 
 
-def test_prompt_logprobs_in_chunks_beside_other_requests(tiny_llama, reference, monkeypatch):
+def test_prompt_logprobs_in_chunks_beside_other_requests(tiny_llama, reference, ranks, monkeypatch):
     """Chunks of 16 tokens (log-softmax 5 rows at a time), with requests that do not ask for them in the same steps:
     every entry matches, and every request's tokens are those of a run where nobody asked (the sampling rows are the
     right ones)."""
@@ -58,9 +77,10 @@ def test_prompt_logprobs_in_chunks_beside_other_requests(tiny_llama, reference, 
     for p, b, o, params in zip(prompts, base, outs, [asked, plain, asked, asked]):
         assert o.outputs[0].token_ids == b.outputs[0].token_ids
         if params.prompt_logprobs is None:
-            assert o.prompt_logprobs is None
+            assert o.prompt_logprobs is None and o.prompt_logprob_ranks is None
         else:
             _assert_entries(o.prompt_logprobs, reference(p))
+            _assert_ranks(o.prompt_logprob_ranks, ranks(p))
 
 
 def test_a_cached_prefix_is_computed_again_for_them(tiny_llama, reference):
@@ -76,7 +96,7 @@ def test_a_cached_prefix_is_computed_again_for_them(tiny_llama, reference):
     assert again.prompt_logprobs is None and llm.engine.kv.stats.hits > hits  # others still take the prefix
 
 
-def test_preempted_sequences_record_each_entry_once(tiny_llama, reference):
+def test_preempted_sequences_record_each_entry_once(tiny_llama, reference, ranks):
     """A pool too small for all of them: sequences are preempted mid-prompt and recomputed; the entries are still
     one per prompt token and the reference's."""
     prompts = [_prompt(60, 20 + i) for i in range(6)]
@@ -88,6 +108,7 @@ def test_preempted_sequences_record_each_entry_once(tiny_llama, reference):
     for p, o in zip(prompts, outs):
         want = [None] + [{t: d[t]} for t, d in zip(p[1:], reference(p)[1:])]
         _assert_entries(o.prompt_logprobs, want)
+        _assert_ranks(o.prompt_logprob_ranks, ranks(p))
 
 
 def test_a_step_takes_at_most_max_num_seqs_prompt_rows_through_the_lm_head(tiny_llama, reference, monkeypatch):
