@@ -281,8 +281,8 @@ class Guard:
 
 
 def _prompt_top(req, echo: int | None = None) -> int | None:
-    """The prompt logprobs the engine keeps: the most of vLLM's `prompt_logprobs` (checked here: another
-    endpoint's need of them could hide its bad value) and completions' echo (its `logprobs`), None for none."""
+    """The prompt logprobs the engine keeps: the larger of vLLM's `prompt_logprobs` (checked here, as the larger
+    echo count could hide its bad value) and completions' echo (its `logprobs`), None for none."""
     k = req.prompt_logprobs
     if k is not None and req.stream:
         raise APIError(400, "prompt_logprobs is not available with stream: true (as in vLLM)", param="prompt_logprobs")
