@@ -419,22 +419,25 @@ def _response(finals: dict[str, RequestOutput], ids: list[str], rid: str, kind: 
               n: int, shape: LogprobShape) -> dict:
     choices = []
     for i, sub_id in enumerate(ids):
-        for c in finals[sub_id].outputs:
+        o = finals[sub_id]
+        # a prompt's parts once, for all n of its choices
+        head, offset = shape.prompt(o) if sub_id in shape.echo else (None, 0)
+        prompt_lps = shape.prompt_logprobs(o) if kind != "chat.completion" else None  # vLLM's: on each choice
+        for c in o.outputs:
             choice = {"index": i * n + c.index, "finish_reason": c.finish_reason}
             if kind == "chat.completion":
                 choice["message"] = {"role": "assistant", "content": c.text}
                 choice["logprobs"] = shape.of(c)[0]
             elif sub_id in shape.echo:  # the prompt first, text and logprobs
                 choice["text"] = shape.echo[sub_id] + c.text
-                head, offset = shape.prompt(finals[sub_id])
                 choice["logprobs"] = joined(head, shape.of(c, 0, offset)[0]) if head is not None else None
             else:
                 choice["text"] = c.text
                 choice["logprobs"] = shape.of(c)[0]
             if c.stop_reason is not None:
                 choice["stop_reason"] = c.stop_reason
-            if kind != "chat.completion" and shape.prompt_top is not None:  # vLLM's: per choice, its prompt's
-                choice["prompt_logprobs"] = shape.prompt_logprobs(finals[sub_id])
+            if prompt_lps is not None:
+                choice["prompt_logprobs"] = prompt_lps
             choices.append(choice)
     body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
             "usage": _usage([finals[i] for i in ids])}
