@@ -12,7 +12,7 @@ import itertools
 import logging
 import numbers
 
-from kvcache import native
+from kvcache.native import host_memory
 from kvcache.attention.backend import resolve_backend, with_backend_write
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
@@ -57,7 +57,7 @@ class EngineStartup:
         self._prepare_steps(config, loaded.config)
         self._log_start(config, why)
         if self.device.type == "cpu":  # a step's activations reuse freed heap instead of fresh pages
-            native.keep_freed_host_memory()
+            host_memory.keep_freed_host_memory()
 
     def _check(self, config: EngineConfig, loaded: LoadedModel | None):
         """Device, dtype, lengths, shapes and every setting checked against the checkpoint, before anything is

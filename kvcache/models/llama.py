@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kvcache import native
+from kvcache.native import host_memory
 from kvcache.attention import cpu_kernel
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.config import WEIGHT_QUANTIZATIONS
@@ -425,7 +425,7 @@ class LlamaModel(nn.Module):
         kernels = cpu_kernels.load() if fused else None
         for m in self.modules():
             if isinstance(m, Dense) and m.pack(keep_dense=m is self.lm_head and self.tied):
-                native.trim_heap()
+                host_memory.trim_heap()
         for layer in self.layers:
             layer.fuse(kernels)
         self.decode_stack = self._decode_stack(kernels)
@@ -461,16 +461,13 @@ class LlamaModel(nn.Module):
         if (group.rows.numel() != T or group.layer_views is not None or group.full is not None
                 or not _native_write(store)):
             return None
-        attention = cpu_kernel.load()
-        if attention is None:
-            return None
         weights, counts, windows = stack
         caches = [store.native_write(i, batch.slot_mapping) for i in range(len(windows))]  # where K/V go (its rule)
         out, residual = first.kernels.decode_layers(
             x, weights, counts, [c[0] for c in caches] + [c[1] for c in caches], windows, first.eps, first.num_heads,
             first.num_kv_heads, first.head_dim, first.gate_up.out_features // 2, cos, sin, caches[0][2],
             group.block_table, group.context_lens, cpu_kernel.NO_RUNS if group.runs is None else group.runs,
-            first.scale, cpu_kernel.SPLIT_TOKENS, attention.paged_decode_address())
+            first.scale, cpu_kernel.SPLIT_TOKENS)
         return out, residual
 
     @property

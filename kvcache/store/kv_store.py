@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from kvcache import native
+from kvcache.native import host_memory
 
 
 def block_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """A layer's zeroed block tensor; on the CPU on huge pages where the OS gives them (native.huge_page_zeros):
+    """A layer's zeroed block tensor; on the CPU on huge pages where the OS gives them (host_memory.huge_page_zeros):
     decode reads blocks scattered over the whole pool, a TLB miss per 4 KiB page otherwise."""
     if torch.device(device).type == "cpu":
-        return native.huge_page_zeros(tuple(shape), dtype)
+        return host_memory.huge_page_zeros(tuple(shape), dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

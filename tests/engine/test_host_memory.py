@@ -9,12 +9,12 @@ import resource
 import pytest
 import torch
 
-from kvcache import native
+from kvcache.native import host_memory
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="glibc's mallopt")
 def test_freed_host_memory_is_reused_without_page_faults(monkeypatch):
-    assert native.keep_freed_host_memory()
+    assert host_memory.keep_freed_host_memory()
     for n in (24 * 2**20, 24 * 2**20, 16 * 2**20):  # as steps do: tensors of 96 and 64 MiB allocated, written, freed
         torch.ones(n).sum()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -23,7 +23,7 @@ def test_freed_host_memory_is_reused_without_page_faults(monkeypatch):
     # fresh pages each time would be 3 x 16,384 faults of 4 KiB
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 2000
     monkeypatch.setenv("KVCACHE_KEEP_FREED_MEMORY", "0")
-    assert not native.keep_freed_host_memory()
+    assert not host_memory.keep_freed_host_memory()
 
 
 def _huge_kib(t: torch.Tensor) -> int:
@@ -45,10 +45,10 @@ def _huge_kib(t: torch.Tensor) -> int:
 def test_huge_page_zeros_is_zeroed_aligned_and_on_huge_pages_where_the_os_gives_them(monkeypatch):
     monkeypatch.delenv("KVCACHE_HUGE_PAGES", raising=False)
     shape = (5 * 2**20 // 4 + 123,)  # float32: 5 MiB and a tail, so two whole huge pages and small ones after
-    t = native.huge_page_zeros(shape, torch.float32)
+    t = host_memory.huge_page_zeros(shape, torch.float32)
     assert t.shape == shape and t.dtype == torch.float32 and not t.any()
-    assert not native.huge_page_zeros(shape, torch.float32, touch=False).any()  # a fresh mapping reads as zeros
-    assert t.data_ptr() % native.HUGE_PAGE == 0
+    assert not host_memory.huge_page_zeros(shape, torch.float32, touch=False).any()  # a fresh mapping reads as zeros
+    assert t.data_ptr() % host_memory.HUGE_PAGE == 0
     assert not t.untyped_storage().resizable()  # its own mapping, not the allocator's memory
     t += 1  # writable, and the memory outlives the call that mapped it
     assert t.sum().item() == t.numel()
@@ -58,8 +58,8 @@ def test_huge_page_zeros_is_zeroed_aligned_and_on_huge_pages_where_the_os_gives_
         assert _huge_kib(t) in (0, 2048, 4096)  # never the tail's page: at most the two whole ones
         if _huge_kib(t) == 0:
             pytest.skip("the kernel had no free huge pages")
-    small = native.huge_page_zeros((3, 5), torch.int64)  # under one huge page: torch.zeros
+    small = host_memory.huge_page_zeros((3, 5), torch.int64)  # under one huge page: torch.zeros
     assert small.untyped_storage().resizable() and not small.any()
     monkeypatch.setenv("KVCACHE_HUGE_PAGES", "0")
-    off = native.huge_page_zeros(shape, torch.float32)
+    off = host_memory.huge_page_zeros(shape, torch.float32)
     assert off.untyped_storage().resizable() and not off.any()

@@ -130,20 +130,14 @@ def test_panel_linear_refuses_mismatched_shapes(kernels):
             kernels.panel_linear(out, xs, panels)
 
 
-# one build per instruction set, with int4's functions too (test_quant_linear compares those): one compile each
-ISA_FUNCTIONS = ["int4_linear", "q8_linear", "has_int4", "pack_panels", "panel_linear", "code_panel_linear", "silu_mul",
-                 "gate_up_silu"]
-ISA_FLAGS = {"avx2": ["-mno-avx512f"], "plain": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
-
-
 def isa_build(isa: str):
-    """cpu_kernels built for `isa` ("avx2": AVX2 + FMA; "plain": no vector extension) on this CPU, or a skip."""
+    """The kernels of variant `isa` ("avx2": AVX2 + FMA; "plain": the scalar one), or a skip where this CPU cannot
+    run it."""
     from kvcache import native
-    if isa == "avx2" and "avx512f" not in open("/proc/cpuinfo").read():
-        pytest.skip("this CPU's own build is the AVX2 one")
-    mod = native.build(f"kvcache_cpu_model_{isa}", cpu_kernels._SOURCE, ISA_FUNCTIONS, ISA_FLAGS[isa], "skipping")
-    assert mod is not None
-    return mod
+    isa = {"plain": "scalar"}.get(isa, isa)
+    if isa not in native.runnable_isas():
+        pytest.skip(f"this CPU cannot run the {isa} variant")
+    return native.kernels(isa)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "plain"])

@@ -1,84 +1,10 @@
-"""Builds the project's C++ CPU kernels (torch.utils.cpp_extension.load_inline, cached under
-~/.cache/torch_extensions after the first build) with bindings that release the GIL while a kernel runs: a server's
-HTTP thread then runs during the engine's kernels instead of waiting for Python's switch interval (5 ms)."""
+"""Host memory for the CPU engine: glibc's malloc kept from handing freed activations back (keep_freed_host_memory,
+trim_heap), and tensors on 2 MiB pages for what a step streams from memory (huge_page_zeros)."""
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
 import os
 import platform
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
-log = logging.getLogger(__name__)
-
-
-def cpu_tag() -> str:
-    """A short tag of this CPU's instruction sets: the builds use -march=native, so a build cached by another CPU (a
-    shared home or volume) must not be loaded here, where it could stop on an illegal instruction."""
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags += next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags += platform.processor()
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
-
-
-def build(name: str, source: str, functions: list[str], flags: list[str], what: str):
-    """The compiled module `name` exporting `functions` of `source`, or None where it cannot be built (no compiler,
-    no AVX-512, or KVCACHE_CPU_KERNEL=0); `what` names the fallback in the warning. KVCACHE_CPU_ISA=avx2 builds the
-    AVX2 + FMA paths on an AVX-512 CPU, as a module of its own."""
-    if os.environ.get("KVCACHE_CPU_KERNEL", "1") == "0":
-        return None
-    binds = "\n".join(f'  m.def("{f}", &{f}, py::call_guard<py::gil_scoped_release>());' for f in functions)
-    full = source + f"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{binds}\n}}\n"
-    # Named by the source too: two checkouts (or versions) sharing the cache each keep their own build, instead of
-    # rebuilding over each other's, and one never loads the other's functions
-    tag = hashlib.sha256(full.encode()).hexdigest()[:8]
-    if os.environ.get("KVCACHE_CPU_ISA", "native") == "avx2":  # the AVX2 + FMA paths on an AVX-512 CPU (to measure them)
-        flags, name = [*flags, "-mno-avx512f"], f"{name}_avx2"
-    try:
-        from torch.utils.cpp_extension import load_inline
-        return load_inline(f"{name}_{cpu_tag()}_{tag}", cpp_sources=[full],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-                           verbose=False)
-    except Exception as e:  # no compiler, no headers, no AVX-512
-        log.warning("C++ CPU kernels %s unavailable (%s); %s", name, str(e).splitlines()[0], what)
-        return None
-
-
-class Kernels:
-    """A module of C++ kernels built on first use (`build`'s arguments), once: callers on other threads wait for
-    the build instead of seeing None while it runs."""
-
-    _all: list[Kernels] = []
-
-    def __init__(self, *build_args) -> None:
-        self._args = build_args
-        self._lock = threading.Lock()
-        self._done = False
-        self._module = None
-        Kernels._all.append(self)
-
-    def __call__(self):
-        """The compiled module, or None where it cannot be built."""
-        with self._lock:
-            if not self._done:
-                self._module = build(*self._args)
-                self._done = True
-            return self._module
-
-
-def build_all() -> None:
-    """Builds (or loads from the cache) every module of kernels at once, one compiler per module in parallel: about
-    a minute on two cores where one after the other takes two."""
-    import kvcache.attention.cpu_kernel  # noqa: F401  (each defines its Kernels)
-    import kvcache.models.cpu_kernels  # noqa: F401
-    with ThreadPoolExecutor(len(Kernels._all)) as pool:
-        list(pool.map(lambda k: k(), Kernels._all))
-
 
 # glibc's mallopt parameters
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
