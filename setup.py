@@ -87,6 +87,7 @@ def build_ext_class(base):
 
         def finalize_options(self) -> None:
             super().finalize_options()
+            self.force = True  # always link: _compile_all decides what to compile again
             if self.inplace or getattr(self, "editable_mode", False):
                 key = manifest.env_key()
                 for ext in self.extensions:

@@ -125,37 +125,49 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
   tile_store<MR>(sum, out, ldo, cols);
 }
 #elif defined(KVCACHE_AVX2)
-constexpr int PANEL_ROWS = 6;  // per half panel: 6 rows x 2 vectors of accumulators, 2 of weights, a broadcast: 15 of 16
-template <int MR>
-static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo,
-                              int64_t cols, const PanelAhead& ahead_) {
-  PanelAhead ahead = ahead_;  // (as above)
-  for (int64_t half = 0; half < 2 && half * 16 < cols; ++half) {
-    const float* wh = w + half * 16;
-    __m256 acc[MR][2], sum[MR][2];
-    for (int64_t k0 = 0; k0 < K; k0 += PANEL_CHUNK) {
-      for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      for (int64_t k = k0; k < std::min(K, k0 + PANEL_CHUNK); ++k) {
-        if (half == 0) ahead.tick();  // the panel's lines over the first half's K inputs
-        const __m256 w0 = _mm256_loadu_ps(wh + k * PANEL), w1 = _mm256_loadu_ps(wh + k * PANEL + 8);
+// A half panel (16 outputs: 2 registers) against 6 rows: 12 accumulators, 2 of weights and a broadcast of the 16
+// registers. The panels are run chunk by chunk (panel_pass below): each PANEL_CHUNK inputs of a panel (16 KiB) stay
+// in L1 while every row block of the pass multiplies them, where a row block at a time had streamed the whole half
+// panel from L2 (K = 576: 36 KiB; the demo's prefill GEMMs at ~50% of the FMA peak).
+constexpr int PANEL_ROWS = 6;
+
+// MR rows' sums (rows of 32 floats, this half's 16) over inputs [k0, k1) of half panel wh: set on the first chunk,
+// else added to, in order. AHEAD: tick *ahead once per input (in a register copy: through the reference, the count
+// went to memory and back every input, a store-forwarding wait per group of FMAs)
+template <int MR, bool AHEAD>
+static inline void half_chunk(const float* x, int64_t ldx, const float* wh, int64_t k0, int64_t k1, float* sum,
+                              bool first, PanelAhead* ahead_) {
+  PanelAhead ahead;
+  if constexpr (AHEAD) ahead = *ahead_;
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    if constexpr (AHEAD) ahead.tick();
+    const __m256 w0 = _mm256_loadu_ps(wh + k * PANEL), w1 = _mm256_loadu_ps(wh + k * PANEL + 8);
 #pragma GCC unroll 6
-        for (int r = 0; r < MR; ++r) {
-          const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
-          acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
-        }
-      }
-      for (int r = 0; r < MR; ++r)
-        for (int h = 0; h < 2; ++h) sum[r][h] = k0 == 0 ? acc[r][h] : _mm256_add_ps(sum[r][h], acc[r][h]);
-    }
-    const int64_t n = std::min<int64_t>(16, cols - half * 16);
     for (int r = 0; r < MR; ++r) {
-      alignas(32) float t[16];
-      _mm256_store_ps(t, sum[r][0]);
-      _mm256_store_ps(t + 8, sum[r][1]);
-      std::memcpy(out + r * ldo + half * 16, t, n * sizeof(float));
+      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
     }
   }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) {
+      float* at = sum + r * 32 + 8 * h;
+      _mm256_storeu_ps(at, first ? acc[r][h] : _mm256_add_ps(_mm256_loadu_ps(at), acc[r][h]));
+    }
+  if constexpr (AHEAD) *ahead_ = ahead;
+}
+
+// half_chunk<m> for a run-time m <= MR, ticking `ahead` where it has lines to read ahead
+template <int MR>
+static inline void half_block(int64_t m, const float* x, int64_t ldx, const float* wh, int64_t k0, int64_t k1,
+                              float* sum, bool first, PanelAhead* ahead) {
+  if constexpr (MR > 1) {
+    if (m < MR) return half_block<MR - 1>(m, x, ldx, wh, k0, k1, sum, first, ahead);
+  }
+  if (ahead != nullptr && ahead->lines > 0) half_chunk<MR, true>(x, ldx, wh, k0, k1, sum, first, ahead);
+  else half_chunk<MR, false>(x, ldx, wh, k0, k1, sum, first, nullptr);
 }
 #else
 constexpr int PANEL_ROWS = 4;
@@ -175,6 +187,33 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
 }
 #endif
 
+#if defined(KVCACHE_AVX2)
+// rows [0, rows) of x (row stride K) times panel w into out (row stride ldo; cols <= 32 stored): chunk by chunk of
+// PANEL_CHUNK inputs (16 KiB of the panel, in L1 while it lasts), each half panel against every row block of
+// PANEL_ROWS (half_chunk), the sums kept in a buffer of the thread's until the last chunk. The chunk after this one
+// (or the thread's next panel, `next`, after the last) is read ahead while the first row block multiplies this one.
+// The same chains and sums, in the same order, as the other builds' panel_rows: the same floats.
+static inline void panel_pass(const float* x, int64_t K, int64_t rows, const float* w, const float* next, float* out,
+                              int64_t ldo, int64_t cols) {
+  const int64_t blocks = (rows + PANEL_ROWS - 1) / PANEL_ROWS, halves = cols > 16 ? 2 : 1;
+  thread_local std::vector<float> sums;
+  sums.resize(rows * 32);
+  for (int64_t k0 = 0; k0 < K; k0 += PANEL_CHUNK) {
+    const int64_t k1 = std::min(K, k0 + PANEL_CHUNK);
+    const float* after = k1 < K ? w + k1 * PANEL : next;
+    const int64_t lines = k1 < K ? (std::min(K, k1 + PANEL_CHUNK) - k1) * PANEL * 4 / 64 :
+                          next != nullptr ? std::min(K, PANEL_CHUNK) * PANEL * 4 / 64 : 0;
+    PanelAhead ahead{(const char*)after, lines, k1 - k0, 0};
+    for (int64_t half = 0; half < halves; ++half)
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t m0 = i * PANEL_ROWS;
+        half_block<PANEL_ROWS>(std::min<int64_t>(PANEL_ROWS, rows - m0), x + m0 * K, K, w + half * 16, k0, k1,
+                               sums.data() + m0 * 32 + half * 16, k0 == 0, half == 0 && i == 0 ? &ahead : nullptr);
+      }
+  }
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * ldo, sums.data() + r * 32, cols * sizeof(float));
+}
+#else
 // panel_rows<m> for a run-time m <= MR
 template <int MR>
 static inline void panel_block(int64_t m, const float* x, int64_t ldx, const float* w, int64_t K, float* out,
@@ -199,6 +238,8 @@ static inline void panel_pass(const float* x, int64_t K, int64_t rows, const flo
                             ahead);
   }
 }
+
+#endif
 
 // Rows of x per pass over a thread's panels: about PANEL_X_BYTES of x, which stay in the core's cache while its
 // panels pass (a multiple of PANEL_ROWS)
@@ -358,6 +399,120 @@ static void code_row(const Panels& w, int64_t p0, int64_t p1, const float* x, fl
   float* const out[2] = {row + p0 * PANEL, row + std::max<int64_t>(p1, 0) * PANEL};
   code_row(w, p, x, out, cols);
 }
+#elif defined(KVCACHE_AVX2)
+// Code panel p's weights for input k, outputs 16h .. 16h + 15 (its half h), decoded in registers: scale x code +
+// minimum in one FMA (the product is exact: Panels), Panels::decode's floats. s0, s1: the half's scales of the
+// input's group; mn: its minima. 4 bits: the input's 16 bytes in both 128-bit lanes, the half's nibbles, then an
+// in-lane byte shuffle puts outputs 0-3 | 4-7 (8-11 | 12-15) in dwords: 6.5 cycles for 32 weights where widening
+// each 8 bytes (vpmovzxbd, which crosses lanes) and the high half's unpack took 10.7 (Zen 3).
+template <int BITS>
+static inline void code_half(const Panels& w, int64_t p, int64_t k, int h, __m256 s0, __m256 s1, const float* mn,
+                             __m256& w0, __m256& w1) {
+  __m256i c0, c1;
+  if constexpr (BITS == 4) {
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(w.codes + (p * w.K + k) * 16)));
+    const __m256i v = _mm256_and_si256(h == 0 ? b : _mm256_srli_epi16(b, 4), _mm256_set1_epi8(15));
+    c0 = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                                 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1));
+    c1 = _mm256_shuffle_epi8(v, _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                                                 12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1));
+  } else {
+    const uint8_t* c = w.codes + (p * w.K + k) * PANEL + 16 * h;
+    c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)c));
+    c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8)));
+  }
+  w0 = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(c0), _mm256_loadu_ps(mn));
+  w1 = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(c1), _mm256_loadu_ps(mn + 8));
+}
+
+// One row x [K] times code panel p into out (cols <= 32 stored): both halves in one pass, four FMA chains (one
+// row's two would each wait on the FMA's latency), the chunks' sums added in order: panel_pass's floats. Not
+// inlined: inside the parallel region's lambda GCC kept decoded weights on the stack.
+template <int BITS>
+__attribute__((noinline)) static void code_row1(const Panels& w, int64_t p, const float* x, float* out, int64_t cols) {
+  const int64_t K = w.K, G = K / PANEL;
+  __m256 acc[4], sum[4];
+  for (int64_t k0 = 0; k0 < K; k0 += PANEL_CHUNK) {
+    for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t g = k0 / PANEL; g < std::min(K, k0 + PANEL_CHUNK) / PANEL; ++g) {
+      const float *sp = w.scale + (p * G + g) * PANEL, *mp = w.minimum + (p * G + g) * PANEL;
+      const __m256 s0 = _mm256_loadu_ps(sp), s1 = _mm256_loadu_ps(sp + 8), s2 = _mm256_loadu_ps(sp + 16),
+                   s3 = _mm256_loadu_ps(sp + 24);
+      for (int64_t k = g * PANEL; k < (g + 1) * PANEL; ++k) {
+        const __m256 a = _mm256_broadcast_ss(x + k);
+        __m256 w0, w1;  // a half at a time: its two registers of weights go into their FMAs before the next half's
+        code_half<BITS>(w, p, k, 0, s0, s1, mp, w0, w1);
+        acc[0] = _mm256_fmadd_ps(a, w0, acc[0]);
+        acc[1] = _mm256_fmadd_ps(a, w1, acc[1]);
+        code_half<BITS>(w, p, k, 1, s2, s3, mp + 16, w0, w1);  // (the same 16 bytes: in L1 the second time)
+        acc[2] = _mm256_fmadd_ps(a, w0, acc[2]);
+        acc[3] = _mm256_fmadd_ps(a, w1, acc[3]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) sum[j] = k0 == 0 ? acc[j] : _mm256_add_ps(sum[j], acc[j]);
+  }
+  alignas(32) float t[32];
+  for (int j = 0; j < 4; ++j) _mm256_store_ps(t + 8 * j, sum[j]);
+  std::memcpy(out, t, cols * sizeof(float));
+}
+
+// MR rows of x (row stride ldx) times half h of code panel p into sum (rows of 32 floats, this half's 16): the
+// weights decoded once per input for all MR rows, panel_pass's chains and sums
+template <int BITS, int MR>
+static inline void code_tile(const Panels& w, int64_t p, int h, const float* x, int64_t ldx, float* sum) {
+  const int64_t K = w.K, G = K / PANEL;
+  __m256 acc[MR][2];
+  for (int64_t k0 = 0; k0 < K; k0 += PANEL_CHUNK) {
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = k0 / PANEL; g < std::min(K, k0 + PANEL_CHUNK) / PANEL; ++g) {
+      const float *sp = w.scale + (p * G + g) * PANEL + 16 * h, *mp = w.minimum + (p * G + g) * PANEL + 16 * h;
+      const __m256 s0 = _mm256_loadu_ps(sp), s1 = _mm256_loadu_ps(sp + 8);
+      for (int64_t k = g * PANEL; k < (g + 1) * PANEL; ++k) {
+        __m256 w0, w1;
+        code_half<BITS>(w, p, k, h, s0, s1, mp, w0, w1);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+          acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 2; ++j) {
+        float* at = sum + r * 32 + 16 * h + 8 * j;
+        _mm256_storeu_ps(at, k0 == 0 ? acc[r][j] : _mm256_add_ps(_mm256_loadu_ps(at), acc[r][j]));
+      }
+  }
+}
+
+// code_tile<BITS, m> for a run-time m <= MR
+template <int BITS, int MR>
+static inline void code_block(int64_t m, const Panels& w, int64_t p, int h, const float* x, int64_t ldx, float* sum) {
+  if constexpr (MR > 1) {
+    if (m < MR) return code_block<BITS, MR - 1>(m, w, p, h, x, ldx, sum);
+  }
+  code_tile<BITS, MR>(w, p, h, x, ldx, sum);
+}
+
+// rows [0, rows) of x (row stride K) times code panel p into out (row stride ldo, cols <= 32 stored)
+constexpr int CODE_TILE = 4;  // rows a code tile: 8 accumulators, 2 weights, 2 scales, a broadcast and the decoding's
+static void code_pass(const Panels& w, int64_t p, const float* x, int64_t rows, float* out, int64_t ldo, int64_t cols) {
+  if (rows == 1) {
+    if (w.bits == 4) code_row1<4>(w, p, x, out, cols);
+    else code_row1<8>(w, p, x, out, cols);
+    return;
+  }
+  thread_local std::vector<float> sums;
+  sums.resize(rows * 32);
+  for (int h = 0; h < (cols > 16 ? 2 : 1); ++h)
+    for (int64_t m0 = 0; m0 < rows; m0 += CODE_TILE) {
+      const int64_t m = std::min<int64_t>(CODE_TILE, rows - m0);
+      if (w.bits == 4) code_block<4, CODE_TILE>(m, w, p, h, x + m0 * w.K, w.K, sums.data() + m0 * 32);
+      else code_block<8, CODE_TILE>(m, w, p, h, x + m0 * w.K, w.K, sums.data() + m0 * 32);
+    }
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * ldo, sums.data() + r * 32, cols * sizeof(float));
+}
 #endif
 
 void panels_linear(Tensor out, const Tensor& x, const Panels& w, const char* what) {
@@ -374,7 +529,9 @@ void panels_linear(Tensor out, const Tensor& x, const Panels& w, const char* wha
     });
     return;
   }
-  if (w.w == nullptr) {  // more rows: blocks of PANEL_ROWS, the codes decoded in registers once per input and block
+#endif
+#if defined(KVCACHE_AVX512) || defined(KVCACHE_AVX2)
+  if (w.w == nullptr) {  // blocks of rows, the codes decoded in registers once per input and block
     at::parallel_for(0, w.P, 1, [&](int64_t begin, int64_t end) {
       for (int64_t c0 = 0; c0 < M; c0 += chunk)
         for (int64_t p = begin; p < end; ++p)
@@ -409,7 +566,7 @@ void code_panel_linear(Tensor out, Tensor x, Tensor codes, Tensor scale,
 // 2.97-2.99x at 1 row, 2.8-3.2x at 2, 1.8-2.0x at 4, 1.17-1.29x at 8, 0.93-1.09x at 16, 0.79-0.82x from 32 (where the
 // arithmetic bounds both, and decoding adds to it; decoding a chunk of the panel into L1 once for every row block
 // instead gave 0.85x at 32 rows, 0.91x at 64, 0.95x at 256). Without AVX-512 (a decoded panel in memory): none.
-#if defined(KVCACHE_AVX512)
+#if defined(KVCACHE_AVX512) || defined(KVCACHE_AVX2)
 constexpr int64_t CODE_ROWS = 8;
 #else
 constexpr int64_t CODE_ROWS = 0;
@@ -454,6 +611,8 @@ void panels_gate_up_silu(Tensor act, const Tensor& x, const Panels& w) {
     });
     return;
   }
+#endif
+#if defined(KVCACHE_AVX512) || defined(KVCACHE_AVX2)
   if (w.w == nullptr) {
     at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> up(std::min(chunk, M) * PANEL);
