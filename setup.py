@@ -180,5 +180,6 @@ def extensions() -> tuple[list, dict]:
     return exts, {"build_ext": build_ext_class(BuildExtension)}
 
 
-ext_modules, cmdclass = extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+if __name__ == "__main__":  # as pip's build backend and `python setup.py` run it (a test imports its functions)
+    ext_modules, cmdclass = extensions()
+    setup(ext_modules=ext_modules, cmdclass=cmdclass)

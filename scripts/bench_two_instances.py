@@ -138,7 +138,7 @@ def main() -> int:
     rt = results["ratios"]
     print(f"\nC / B mean TTFT: {rt['ttft_mean_C_over_B']:.2f}x; first question: {rt['first_ttft_C_over_B']:.2f}x; "
           f"B computed {rt['prefill_reduction']:.0%} fewer prompt tokens; same answers: {rt['same_answers']}")
-    from kvcache.bench.throughput import write_json
+    from kvcache.bench.report import write_json
     write_json(args.json, results)
     return 0
 

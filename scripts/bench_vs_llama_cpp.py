@@ -65,7 +65,7 @@ def main() -> int:
     p.add_argument("--json", default="results/vs_llama_cpp.json")
     args = p.parse_args()
     sys.path.insert(0, ROOT)
-    from kvcache.bench.throughput import write_json
+    from kvcache.bench.report import write_json
     from kvcache.models.loader import demo_model_path
     model = args.model or demo_model_path()
     workloads = args.workloads.split(",")

@@ -48,7 +48,7 @@ def main() -> int:
     import torch
 
     from kvcache import LLM
-    from kvcache.bench.throughput import write_json
+    from kvcache.bench.report import write_json
     if args.threads:
         torch.set_num_threads(args.threads)
     layers = LLM().engine.runner.model.layers

@@ -69,6 +69,38 @@ def _device_memory_given_back(request):
     yield
 
 
+def _variant_or_skip(isa: str):
+    """The C++ kernels of variant `isa`, or a skip that says why this machine cannot run it. A build that is
+    missing or broken fails instead (CI must build the kernels), unless KVCACHE_CPU_KERNEL=0 turned them off."""
+    from kvcache import native
+    if os.environ.get(native.OFF_ENV, "1") == "0":
+        pytest.skip(f"{native.OFF_ENV}=0: the C++ kernels are off")
+    native.require()  # the chosen variant: raises where the build is missing or broken
+    if isa not in native.runnable_isas():
+        pytest.skip(f"this machine cannot run the {isa} variant: {native._cpu_lacks(isa)}")
+    return native.kernels(isa)
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def isa_kernels(request):
+    """Each instruction-set variant's kernels in turn, for tests of the kernels themselves (an AVX-512 machine tests
+    the AVX2 and scalar paths too; a variant the CPU cannot run is skipped with the reason)."""
+    return _variant_or_skip(request.param)
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def cpu_isa(request, monkeypatch):
+    """Each variant in turn as the one this process runs (KVCACHE_CPU_ISA), for tests that reach the kernels through
+    the engine's own calls; the choice is undone afterwards."""
+    from kvcache import native
+    _variant_or_skip(request.param)
+    monkeypatch.setenv(native.ISA_ENV, request.param)
+    native.reset()
+    yield request.param
+    monkeypatch.undo()
+    native.reset()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_models")

@@ -1,11 +1,11 @@
 // int4_linear and q8_linear: 4-bit (GGUF Q4_1) and 8-bit codes with a scale and a minimum per group of 32 inputs,
 // times activations quantized to int8 per group of 32 on the fly (GGUF Q8_1): integer dot products (AVX512-VNNI's
 // vpdpbusd, AVX2's vpmaddubsw + vpmaddwd), as llama.cpp computes them.
+#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -17,7 +17,7 @@ namespace kvcache {
 
 // ---- 4-bit weights x int8 activations (quant_linear.Int4Dense) ----
 // One int4_linear call's checked shapes, its activations quantized by `quantize` (per row: qa [K] int8, da [K/32]
-// scales, sa [K/32] = da * sum(qa)) and its raw pointers; shared by the VNNI and the AVX2 kernels.
+// scales, sa [K/32] = da * sum(qa)) and its raw pointers; shared by every variant's kernel.
 struct Int4Call {
   using Quantize = void (*)(const float*, int64_t, int8_t*, float*, float*);
   int64_t M, K, N, NB, G;
@@ -313,11 +313,81 @@ static void grouped_linear(Tensor out, Tensor x, Tensor qw, Tensor d, Tensor m) 
     }
   });
 }
-#else  // no AVX512-VNNI or AVX2 here: Int4Dense dequantizes and uses PyTorch's matmul
-bool has_int4() { return false; }
+#else
+bool has_int4() { return true; }
+// The same layout and the same math in plain C++: the integer sums of the vector kernels (exact), and their float
+// steps in their order (std::fma, and the finiteness sum in _mm512_reduce_add_ps's order): every output is the VNNI
+// kernel's, bit for bit.
+
+// cvtps2dq's int32 of a float already rounded: the "integer indefinite" INT32_MIN for NaN and out of range
+static inline int32_t to_int32(float r) {
+  return std::isnan(r) || r >= 2147483648.f || r < -2147483648.f ? INT32_MIN : (int32_t)r;
+}
+
+// Activation row x [K] -> qa [K] int8, da [G] scales, sa [G] = da * sum(qa) (G = K / 32), rounding half to even.
+static void quantize_activation(const float* x, int64_t K, int8_t* qa, float* da, float* sa) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const float* v = x + g * 32;
+    float a[32], amax = 0.f;
+    for (int i = 0; i < 32; ++i) {
+      a[i] = std::fabs(v[i]);
+      amax = std::max(amax, a[i]);
+    }
+    float s8[8], s4[4];  // sum32's tree: (b1 + b3) + (b0 + b2) over the 4 vectors of 8, then the halves, then pairs
+    for (int j = 0; j < 8; ++j) s8[j] = (a[8 + j] + a[24 + j]) + (a[j] + a[16 + j]);
+    for (int j = 0; j < 4; ++j) s4[j] = s8[4 + j] + s8[j];
+    if (!std::isfinite((s4[0] + s4[2]) + (s4[1] + s4[3]))) amax = NAN;  // NaN/inf rows stay non-finite
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t total = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int32_t q = std::min(127, std::max(-127, to_int32(std::nearbyint(v[i] * inv))));
+      qa[g * 32 + i] = (int8_t)q;
+      total += q;
+    }
+    da[g] = d;
+    sa[g] = d * (float)total;
+  }
+}
+
+// One block of 16 output rows (the `rows` first stored) against every activation row: per row and group, the
+// integer sum of codes x qa, then fma(sum, d * da, acc) and fma(m, sa, acc), the groups in order
 template <int BITS>
-static void grouped_linear(Tensor, Tensor, Tensor, Tensor, Tensor) {
-  TORCH_CHECK(false, BITS == 4 ? "int4_linear" : "q8_linear", " needs AVX512-VNNI or AVX2");
+static void grouped_block(const uint8_t* wb, const uint16_t* db, const uint16_t* mb, int64_t G, const int8_t* qa,
+                          const float* da, const float* sa, int64_t M, int64_t K, float* out, int64_t ldo, int rows) {
+  for (int64_t t = 0; t < M; ++t)
+    for (int r = 0; r < rows; ++r) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const int8_t* a = qa + t * K + g * 32;
+        int32_t sum = 0;
+        if constexpr (BITS == 4) {
+          for (int o = 0; o < 4; ++o)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = wb[(g * 4 + o) * 64 + 4 * r + i];
+              sum += (byte & 15) * a[o * 8 + i] + (byte >> 4) * a[o * 8 + 4 + i];
+            }
+        } else {
+          for (int o = 0; o < 8; ++o)
+            for (int i = 0; i < 4; ++i) sum += wb[(g * 8 + o) * 64 + 4 * r + i] * a[o * 4 + i];
+        }
+        const float d = (float)c10::Half(db[g * 16 + r], c10::Half::from_bits());
+        const float m = (float)c10::Half(mb[g * 16 + r], c10::Half::from_bits());
+        acc = std::fma((float)sum, d * da[t * G + g], acc);
+        acc = std::fma(m, sa[t * G + g], acc);
+      }
+      out[t * ldo + r] = acc;
+    }
+}
+
+template <int BITS>
+static void grouped_linear(Tensor out, Tensor x, Tensor qw, Tensor d, Tensor m) {
+  const Int4Call c(out, x, qw, d, m, quantize_activation, BITS);
+  at::parallel_for(0, c.NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      grouped_block<BITS>(c.wp + b * (c.K * BITS / 32) * 64, c.dp + b * c.G * 16, c.mp + b * c.G * 16, c.G,
+                          c.qa.data(), c.da.data(), c.sa.data(), c.M, c.K, c.op + b * 16, c.N,
+                          (int)std::min<int64_t>(16, c.N - b * 16));
+  });
 }
 #endif
 void int4_linear(Tensor out, Tensor x, Tensor qw, Tensor d, Tensor m) {

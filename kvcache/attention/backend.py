@@ -14,7 +14,6 @@ import os
 
 import torch
 
-from kvcache.attention import cpu_kernel
 from kvcache.plan.kv_bytes import KVDtype, kv_dtype
 
 BACKENDS = ("auto", "triton", "torch", "cpu")
@@ -39,8 +38,11 @@ def _why_not_cpu(device: torch.device, dtype: torch.dtype, kv: KVDtype) -> str |
         return f"it computes in float32 only, not {str(dtype).removeprefix('torch.')} (use --attention-backend torch)"
     if kv.scales == "none" and kv.name != "float32":
         return "it reads float32 or quantized blocks, not a float16/bfloat16 cache (use --attention-backend torch)"
-    if cpu_kernel.load() is None:
-        return "the C++ kernel could not be built here (see the warning above; use --attention-backend torch)"
+    from kvcache import native
+    try:
+        native.require()
+    except native.KernelsUnavailable as e:
+        return f"{e} (or use --attention-backend torch)"
     return None
 
 

@@ -14,7 +14,7 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from kvcache.bench.throughput import write_json
+from kvcache.bench.report import write_json
 
 if TYPE_CHECKING:  # torch loads when the benchmark runs: `kvcache plan` and `simulate` stay torch-free
     import torch

@@ -16,7 +16,7 @@ import argparse
 import math
 import time
 
-from kvcache.bench.throughput import write_json
+from kvcache.bench.report import write_json
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 
-from kvcache.bench.throughput import write_json
+from kvcache.bench.report import write_json
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

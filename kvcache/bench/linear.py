@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvcache.bench.throughput import write_json
+from kvcache.bench.report import write_json
 
 COLD_BYTES, MAX_COPIES = 256 * 2**20, 64  # weights cycled through per layer and layout
 LAYOUTS = ("panels", "onednn", "dense")

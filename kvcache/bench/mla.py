@@ -19,7 +19,8 @@ import statistics
 import tempfile
 import time
 
-from kvcache.bench.throughput import positive_ints, write_json
+from kvcache.bench.report import write_json
+from kvcache.bench.throughput import positive_ints
 
 KV_FORMATS = ("float32", "bfloat16", "int8", "fp8_e4m3")
 

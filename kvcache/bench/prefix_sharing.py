@@ -26,7 +26,7 @@ from dataclasses import fields
 
 import numpy as np
 
-from kvcache.bench.throughput import write_json
+from kvcache.bench.report import write_json
 from kvcache.bench.workload import parse_range
 from kvcache.config import EngineConfig
 

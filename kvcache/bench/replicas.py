@@ -25,7 +25,7 @@ import tempfile
 import httpx
 
 from kvcache.bench.serve import wait_until_serving
-from kvcache.bench.throughput import write_json
+from kvcache.bench.report import write_json
 from kvcache.distributed.host import free_port
 
 

@@ -26,7 +26,7 @@ from typing import Literal
 
 import numpy as np
 
-from kvcache.bench.throughput import write_json
+from kvcache.bench.report import write_json
 from kvcache.bench.workload import parse_range
 
 Endpoint = Literal["completions", "chat"]

@@ -25,7 +25,8 @@ import os
 import tempfile
 import time
 
-from kvcache.bench.throughput import positive_ints, write_json
+from kvcache.bench.report import write_json
+from kvcache.bench.throughput import positive_ints
 from kvcache.memory.kv_cache_manager import blocks_for
 
 

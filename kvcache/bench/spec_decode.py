@@ -28,7 +28,8 @@ import time
 from contextlib import nullcontext
 
 from kvcache.bench.step_profile import profiling
-from kvcache.bench.throughput import positive_ints, write_json
+from kvcache.bench.report import write_json
+from kvcache.bench.throughput import positive_ints
 from kvcache.bench.workload import random_workload
 from kvcache.engine.spec_decode import mean_acceptance_length
 

@@ -18,7 +18,7 @@ import os
 import tempfile
 import time
 
-from kvcache.bench.throughput import write_json
+from kvcache.bench.report import write_json
 from kvcache.bench.workload import parse_range, random_workload
 from kvcache.distributed.host import usable_cores
 

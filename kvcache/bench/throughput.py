@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import threading
@@ -22,6 +21,7 @@ from dataclasses import fields
 import psutil
 
 from kvcache.bench.step_profile import bucket, print_table as print_profile, profiling
+from kvcache.bench.report import write_json
 from kvcache.bench.workload import Workload, parse_range, random_workload
 from kvcache.config import EngineConfig
 
@@ -113,16 +113,6 @@ def positive_ints(flag: str, text: str, least: int = 1) -> list[int]:
     if min(values) < least:
         raise ValueError(f"{flag} values must be at least {least}, got {text!r}")
     return values
-
-
-def write_json(path: str, results: dict) -> None:
-    """Write a benchmark's results (creating the folder) and say so; nothing where `path` is empty (--json '')."""
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {path}")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -269,7 +269,7 @@ class LLMEngine(EngineStartup, RequestAdmission, SamplingStep):
         return {
             "device": str(self.device), "compute_dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.backend, "cuda_graphs": self.graphs.info(),
-            "quantization": self.config.quantization,
+            "quantization": self.config.quantization, "cpu_isa": self.cpu_isa,
             "weight_bytes": self.model.weight_bytes, "weight_read_bytes": self.model.weight_read_bytes,
             "kv_cache_budget": str(self.budget),
             "block_size": c.block_size, "num_blocks": c.num_blocks, "num_tokens": c.num_tokens,

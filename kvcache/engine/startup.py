@@ -106,6 +106,7 @@ class EngineStartup:
         if config.quantization != "none" and self.device.type != "cpu":
             raise ValueError(f"quantization {config.quantization} runs on the CPU only (its kernel is a CPU one); "
                              "use --quantization none on CUDA")
+        self.cpu_isa = self._cpu_kernels(config) if self.device.type == "cpu" else None
         tiers = offload_tiers(config)  # before the model loads: an unwritable directory is refused first
         self.kv_events = KVEventLog(config.block_size) if config.kv_events_endpoint else None
         self.event_publisher = ZmqEventPublisher(
@@ -195,6 +196,20 @@ class EngineStartup:
         self._consecutive_failures = 0  # steps in a row that failed with no request to blame
         self.stop = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
 
+    def _cpu_kernels(self, config: EngineConfig) -> str | None:
+        """The C++ kernels' variant this CPU engine runs (kvcache.native), or None where they cannot run (it said why
+        once). Refused, with the reason, where the configuration needs them: quantized weights (their kernels are the
+        int8/int4 matrix products), or a KVCACHE_CPU_ISA this CPU or build cannot run."""
+        from kvcache import native
+        if config.quantization != "none":
+            try:
+                return native.require().isa
+            except native.KernelsUnavailable as e:
+                raise ValueError(f"--quantization {config.quantization} needs the C++ CPU kernels (its matrix "
+                                 f"products), which cannot run here: {e}") from e
+        k = native.kernels()  # ValueError for an impossible KVCACHE_CPU_ISA
+        return None if k is None else k.isa
+
     def _log_start(self, config: EngineConfig, why: str) -> None:
         """Logs the weights, the backend and the KV budget, and the pool it bought."""
         c = self.capacity
@@ -202,6 +217,9 @@ class EngineStartup:
                  self.model.weight_bytes / 2**30, str(self.dtype).removeprefix("torch.") + (
                      f" with {config.quantization} linear layers" if config.quantization != "none" else ""), self.device, self.backend,
                  why, self.budget)
+        if self.device.type == "cpu":
+            from kvcache import native
+            log.info("CPU kernels: %s", native.describe())
         log.info("KV cache (%s): %s, %s (%s)%s; maximum concurrency for %s tokens per request: %.2fx", self.kv_dtype,
                  pool_tokens(c.num_blocks, c.block_size, c.layers_per_block, self.shape.num_kv_layers),
                  human(c.total_bytes),

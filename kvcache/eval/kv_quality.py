@@ -444,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
     }
     print_table(results)
     if args.json:
-        from kvcache.bench.throughput import write_json
+        from kvcache.bench.report import write_json
         write_json(args.json, results)
     if args.plot:
         plot(results, args.plot)

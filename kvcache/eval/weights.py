@@ -61,7 +61,7 @@ def decode_speed(engine, prompt_len: int, tokens: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvcache.bench.throughput import write_json
+    from kvcache.bench.report import write_json
     from kvcache.config import EngineConfig
     from kvcache.engine.llm_engine import LLMEngine
     from kvcache.eval.corpus import document_windows, load_corpus

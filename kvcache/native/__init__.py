@@ -130,18 +130,18 @@ def _verify(directory: str, data: dict) -> str | None:
     """Why the build in `directory` (its manifest `data`) must not be loaded, or None."""
     import torch
     if data.get("torch") != torch.__version__:
-        return f"was built against torch {data.get('torch')}, and this is torch {torch.__version__}"
+        return f"built against torch {data.get('torch')}, and this is torch {torch.__version__}"
     if in_checkout() and directory != os.path.join(PACKAGE_DIR, "_native"):
         if data.get("sources") != manifest.sources_digest(CHECKOUT):
-            return "was built from other sources (csrc/ or setup.py changed since)"
+            return "built from other sources (csrc/ or setup.py changed since)"
     for name, entry in data["modules"].items():
         path = os.path.join(directory, entry.get("file", ""))
         if not os.path.isfile(path):
-            return f"lacks its module {name} ({path})"
+            return f"missing its module {name} ({path})"
         if manifest.file_digest(path) != entry.get("sha256"):
-            return f"has a module whose bytes are not the ones built ({path}: damaged or replaced)"
+            return f"damaged: a module's bytes are not the ones built ({path})"
     if "_C" not in data["modules"]:
-        return "has no bindings module (_C)"
+        return "missing its bindings module (_C)"
     return None
 
 
@@ -169,7 +169,7 @@ def rebuild(why: str) -> None:
         data = manifest.read(directory)
         if data is not None and _verify(directory, data) is None:  # another process rebuilt it meanwhile
             return
-        log.warning("kvcache: the C++ CPU kernels in %s %s: rebuilding them in place (python setup.py build_ext "
+        log.warning("the C++ CPU kernels in %s are not usable (%s): rebuilding them in place (python setup.py build_ext "
                     "--inplace, about %d minutes on 2 cores; the log: %s)", directory, why, BUILD_MINUTES,
                     os.path.join(directory, "build.log"))
         env = {k: v for k, v in os.environ.items() if k != "KVCACHE_BUILD_KERNELS"}
@@ -209,11 +209,11 @@ def _find_build() -> tuple[str | None, str | None]:
             except KernelsUnavailable as e:
                 return None, str(e)
             data = manifest.read(directory)
-            why = _verify(directory, data) if data else "wrote no manifest"
+            why = _verify(directory, data) if data else "no manifest written"
             if why is None:
                 return directory, None
-            return None, f"the rebuilt kernels in {directory} {why}"
-        return None, f"the C++ kernels in {directory} {why}: {_how_to_build()}"
+            return None, f"the rebuilt C++ CPU kernels in {directory} are not usable ({why})"
+        return None, f"the C++ CPU kernels in {directory} are not usable ({why}): {_how_to_build()}"
     return None, f"the C++ CPU kernels are not built for this environment ({sys.prefix}): {_how_to_build()}"
 
 
@@ -293,7 +293,7 @@ def kernels(isa: str | None = None):
     except KernelsUnavailable as e:
         with _state.lock:
             if not _state.fallback and _state.reason != f"{OFF_ENV}=0 turns them off":
-                log.warning("kvcache: %s. Running on PyTorch's ops instead: the float32 linear layers in oneDNN, "
+                log.warning("%s. Running on PyTorch's ops instead: the float32 linear layers in oneDNN, "
                             "attention in SDPA, no int4 or fused layer kernels (several times slower).", e)
             _state.fallback = True
         return None
@@ -328,10 +328,11 @@ def runnable_isas() -> list[str]:
         return [i for i in ISAS if f"_C_{i}" in _built_modules(_state.directory) and runs_here(i)]
 
 
-def reset() -> None:
-    """Forget the choice (tests that change KVCACHE_CPU_ISA or KVCACHE_CPU_KERNEL); loaded modules stay loaded."""
+def reset(forget_build: bool = False) -> None:
+    """Forget the choice (tests that change KVCACHE_CPU_ISA or KVCACHE_CPU_KERNEL), and with `forget_build` which
+    build was found (tests of the search); loaded modules stay loaded."""
     with _state.lock:
         variants, bindings, directory = _state.variants, _state.bindings, _state.directory
         _state.__init__()
-        if os.environ.get(OFF_ENV, "1") != "0" and bindings is not None:
+        if not forget_build and os.environ.get(OFF_ENV, "1") != "0" and bindings is not None:
             _state.loaded, _state.bindings, _state.directory, _state.variants = True, bindings, directory, variants

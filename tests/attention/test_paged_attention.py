@@ -104,7 +104,7 @@ def test_paged_attention_matches_reference(seqs, block_size, heads, head_dim, wi
     _check_case(seqs, block_size, heads, head_dim, window, seed, kernel=False, softcap=softcap)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seqs=st.lists(seq_strategy, min_size=1, max_size=6),
        block_size=st.sampled_from([1, 2, 4, 8, 16]),
        heads=head_configs,
@@ -112,10 +112,9 @@ def test_paged_attention_matches_reference(seqs, block_size, heads, head_dim, wi
        window=st.one_of(st.none(), st.integers(1, 30)),
        seed=st.integers(0, 2**16), softcap=st.sampled_from([None, None, 0.5, 3.0]),
        split=st.sampled_from([1, 3, 16, cpu_kernel.SPLIT_TOKENS]))
-def test_cpu_kernel_matches_reference(seqs, block_size, heads, head_dim, window, seed, softcap, split):
+def test_cpu_kernel_matches_reference(cpu_isa, seqs, block_size, heads, head_dim, window, seed, softcap, split):
     """The C++ decode kernel reads blocks straight from the store: same answers, no padding; soft-capped scores
     (Gemma-2) too; contexts cut into splits of `split` tokens (whole blocks) and combined."""
-    assert cpu_kernel.load() is not None, "the C++ CPU attention kernel failed to build on this machine"
     saved, cpu_kernel.SPLIT_TOKENS = cpu_kernel.SPLIT_TOKENS, split
     try:
         _check_case(seqs, block_size, heads, head_dim, window, seed, kernel=True, softcap=softcap)
@@ -123,10 +122,9 @@ def test_cpu_kernel_matches_reference(seqs, block_size, heads, head_dim, window,
         cpu_kernel.SPLIT_TOKENS = saved
 
 
-def test_cpu_kernel_row_does_not_depend_on_its_batch():
+def test_cpu_kernel_row_does_not_depend_on_its_batch(cpu_isa):
     """A row's output is bit for bit the same decoded alone or among other sequences of other lengths: its splits
     follow its own length, so batching (or speculative verification rows) cannot change a greedy token."""
-    assert cpu_kernel.load() is not None
     g = torch.Generator().manual_seed(3)
     bs, kvh, heads, d = 16, 2, 6, 64
     lens = [700, 1, 129, 300, 17]
@@ -152,7 +150,7 @@ def test_cpu_kernel_row_does_not_depend_on_its_batch():
     torch.testing.assert_close(together[0], out, atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_kernel_reads_q_in_place_from_the_qkv_product():
+def test_cpu_kernel_reads_q_in_place_from_the_qkv_product(cpu_isa):
     """The decode kernel takes q as a view of the q/k/v product (rows strided, heads packed), as the layers hand it
     over, with the same floats as from a contiguous copy, over float32 and a quantized store; q whose heads are not
     packed is refused, naming what it needs."""
@@ -281,11 +279,10 @@ def test_decode_rows_beside_prefill_chunks():
 
 
 @pytest.mark.parametrize("split", [cpu_kernel.SPLIT_TOKENS, 16])
-def test_cpu_kernel_runs_of_one_sequence_equal_rows_alone(split):
+def test_cpu_kernel_runs_of_one_sequence_equal_rows_alone(cpu_isa, split):
     """Verification rows of one sequence (SeqChunk.as_decodes: consecutive positions, one block table) are attended
     as a run that reads each block once: each row's output is bit for bit what it is alone, runs that cross a block
     or a split edge included, next to plain decode rows."""
-    assert cpu_kernel.load() is not None
     g = torch.Generator().manual_seed(5)
     bs, kvh, heads, d = 16, 3, 9, 64
     # (cached tokens, rows): runs ending past a block edge (126 + 5), a split edge (254 + 5 with 128-token splits)
@@ -324,10 +321,9 @@ def test_cpu_kernel_runs_of_one_sequence_equal_rows_alone(split):
             row += 1
 
 
-def test_cpu_kernel_refuses_runs_that_are_not_one_sequence():
+def test_cpu_kernel_refuses_runs_that_are_not_one_sequence(cpu_isa):
     """Runs the kernel cannot trust (lengths not consecutive, a run past the rows, a row left out) are refused
     before anything is read or written."""
-    assert cpu_kernel.load() is not None
     k = v = torch.randn(4, 16, 1, 64)
     tables = torch.tensor([[1, 2], [1, 2], [3, 0]])
     q, out = torch.randn(3, 2, 64), torch.zeros(3, 2, 64)
@@ -338,11 +334,11 @@ def test_cpu_kernel_refuses_runs_that_are_not_one_sequence():
         assert not out.any()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 70), cached=st.sampled_from([0, 0, 1, 31, 32, 33, 90]), heads=head_configs,
        head_dim=st.sampled_from([32, 64, 128]), seed=st.integers(0, 2**16))
 @example(n=13, cached=0, heads=(4, 4), head_dim=128, seed=957)  # 2.3e-6: over the 2e-6 once used for every head_dim
-def test_cpu_prefill_kernel_matches_reference(n, cached, heads, head_dim, seed):
+def test_cpu_prefill_kernel_matches_reference(cpu_isa, n, cached, heads, head_dim, seed):
     """The C++ causal prefill kernel: the last n of n + cached positions, on views of one q/k/v product (the rows'
     stride is the product's), across its 16-query and 32-key blocks and their edges. The bound grows with
     sqrt(head_dim): a score's float32 rounding is a sum of head_dim terms' (the scale keeps the scores themselves
@@ -358,7 +354,7 @@ def test_cpu_prefill_kernel_matches_reference(n, cached, heads, head_dim, seed):
                                atol=2e-6 * (head_dim / 32) ** 0.5, rtol=0)
 
 
-def test_cpu_prefill_kernel_weights_past_float32_exp_range():
+def test_cpu_prefill_kernel_weights_past_float32_exp_range(cpu_isa):
     """Scores hundreds apart (a large scale) put most weights below float32's exp range: they must come out exactly
     0, so a query whose best key outscores its next by over 100 returns that key's value bit for bit, wherever the
     key falls among the 32-key blocks (a later block's maximum then rescales the earlier blocks' sums to exactly 0,
@@ -379,7 +375,7 @@ def test_cpu_prefill_kernel_weights_past_float32_exp_range():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_cpu_prefill_kernel_passes_a_non_finite_key_on(bad):
+def test_cpu_prefill_kernel_passes_a_non_finite_key_on(cpu_isa, bad):
     """A non-finite key (a corrupt value) makes every query that sees it non-finite, not silently weight 0 (the
     kernel is built with -ffast-math, whose comparisons may drop a NaN); the queries before it stay exact."""
     g = torch.Generator().manual_seed(5)

@@ -103,12 +103,11 @@ def test_kivi_residual_keys_by_token_or_by_element(dtype, kernel, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2"])
 @pytest.mark.parametrize("splits", [[150], [64, 86], [37, 1, 1, 50, 61], [70, 1, 100]])
-def test_prefill_chunks_over_quantized_blocks_take_the_cpu_kernel(dtype, splits, monkeypatch):
+def test_prefill_chunks_over_quantized_blocks_take_the_cpu_kernel(cpu_isa, dtype, splits, monkeypatch):
     """A prefill chunk over a quantized store reads its context dequantized: with a plain causal mask (int8, fp8), or
     (KIVI) the fp16 keys of each query's own group after the dequantized groups before it, one group of queries at a
     time. At a head size the C++ causal kernel takes (a multiple of 32) every query row of such a chunk is attended
     there, not through SDPA and a mask, with the dense reference's answers."""
-    assert cpu_kernel.load() is not None
     monkeypatch.setitem(globals(), "D", 32)
     calls = []
     real = cpu_kernel.prefill_attention
@@ -134,9 +133,8 @@ def test_sliding_window_over_quantized_blocks(dtype, kernel):
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2"])
 @pytest.mark.parametrize("splits", [[1] * 150, [37] + [1] * 100, [64] + [1] * 70])
-def test_cpu_kernel_decodes_quantized_blocks(dtype, splits):
+def test_cpu_kernel_decodes_quantized_blocks(cpu_isa, dtype, splits):
     """The C++ decode kernel dequantizes each token as it reads it: the same answers as the dense reference."""
-    assert cpu_kernel.load() is not None, "the C++ CPU attention kernel failed to build on this machine"
     q, k, v = _data(sum(splits), seed=2)
     bs = 64 if dtype in ("int4", "int2") else 16
     out = _run(q, k, v, dtype, splits, bs, kernel=True)
@@ -145,10 +143,9 @@ def test_cpu_kernel_decodes_quantized_blocks(dtype, splits):
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2"])
 @pytest.mark.parametrize("head_dim", [24, 48])
-def test_cpu_kernel_decodes_other_head_sizes(dtype, head_dim, monkeypatch):
+def test_cpu_kernel_decodes_other_head_sizes(cpu_isa, dtype, head_dim, monkeypatch):
     """The kernel decodes a head 16 codes at a time where its size is a multiple of 16 (48: KIVI's value groups of
     48 too), one at a time otherwise (24): both give the dense reference's answers."""
-    assert cpu_kernel.load() is not None
     monkeypatch.setitem(globals(), "D", head_dim)  # _data, _run and _reference read the module's head size
     q, k, v = _data(100, seed=3)
     bs = 64 if dtype in ("int4", "int2") else 16
@@ -156,9 +153,8 @@ def test_cpu_kernel_decodes_other_head_sizes(dtype, head_dim, monkeypatch):
     torch.testing.assert_close(out, _reference(q, k, v, dtype), atol=1e-4, rtol=1e-4)
 
 
-def test_cpu_kernel_decodes_a_batch_of_quantized_sequences():
+def test_cpu_kernel_decodes_a_batch_of_quantized_sequences(cpu_isa):
     """Several sequences of different lengths and group phases in one kernel call (padded full-key rows)."""
-    assert cpu_kernel.load() is not None
     dtype, bs = "int4", 64
     lens = [70, 130, 5, 64, 191]
     data = [_data(n, seed=10 + i) for i, n in enumerate(lens)]
@@ -194,12 +190,11 @@ def test_cpu_kernel_decodes_a_batch_of_quantized_sequences():
 
 
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_cpu_kernel_decodes_fp8_arithmetically_as_its_table_does(dtype):
+def test_cpu_kernel_decodes_fp8_arithmetically_as_its_table_does(cpu_isa, dtype):
     """The kernel decodes fp8 bytes with integer and float arithmetic (vectorizable), not the store's 256-entry table:
     with every finite byte value in the blocks, the output is bit for bit the table's, with denormals flushed as the
     engine runs (the subnormal fp8 codes must not pass through a float32 denormal); a non-finite byte makes the row
     non-finite under both, as the table's NaN/inf would."""
-    assert cpu_kernel.load() is not None
     for flush in (True, False):
         torch.set_flush_denormal(flush)
         try:

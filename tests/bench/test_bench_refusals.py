@@ -28,7 +28,7 @@ def test_bad_benchmark_flags_are_refused_up_front(capsys, monkeypatch, argv, wor
 
 
 def test_an_empty_json_path_writes_nothing(tmp_path, monkeypatch, capsys):
-    from kvcache.bench.throughput import write_json
+    from kvcache.bench.report import write_json
     monkeypatch.chdir(tmp_path)
     write_json("", {"a": 1})
     write_json(str(tmp_path / "r" / "x.json"), {"a": 1})

@@ -1,4 +1,4 @@
-"""keep_freed_host_memory (native.py, applied by a CPU engine at start-up): large tensors freed by one step are
+"""keep_freed_host_memory (kvcache.native.host_memory, applied by a CPU engine at start-up): large tensors freed by one step are
 reused by the next without the kernel faulting in fresh pages."""
 from __future__ import annotations
 
