@@ -7,9 +7,15 @@ import shutil
 import tempfile
 
 import pytest
+from hypothesis import settings
 
 from redis_server import RedisServer
 from tiny_models import TINY_ARCHS, hf_model, make_tiny_model
+
+# No example fails for its time (hypothesis' default deadline is 200 ms): on a loaded machine a slow example is still
+# a right one. Tests never assert on time.
+settings.register_profile("kvcache", deadline=None)
+settings.load_profile("kvcache")
 
 # Tests pin their device: `auto` means the CPU for the whole suite (subprocesses included), where the oracles
 # and the exact float32 comparisons run; tests marked cuda ask for device="cuda" themselves.

@@ -318,6 +318,7 @@ def test_profile_counts_the_native_decode_loop_as_kernels(tiny_llama):
     if first.kernels is None or llm.engine.runner.model.decode_stack is None:
         pytest.skip("no native decode loop on this build")
     real, calls = first.kernels, []
+    DELAY = 0.3  # a tiny step's other work stays far under it, even on a machine busy with other work
 
     class Delayed:
         def __getattr__(self, name):
@@ -325,7 +326,7 @@ def test_profile_counts_the_native_decode_loop_as_kernels(tiny_llama):
 
         def decode_layers(self, *a):
             calls.append(1)
-            time.sleep(0.1)
+            time.sleep(DELAY)
             return real.decode_layers(*a)
 
     first.kernels = Delayed()
@@ -334,5 +335,5 @@ def test_profile_counts_the_native_decode_loop_as_kernels(tiny_llama):
     first.kernels = real
     decode = prof.rows["decode 1"]
     assert len(calls) == decode["steps"] == 3
-    assert decode["kernels_s"] >= 0.1 * len(calls)
-    assert decode["forward_other_s"] < 0.1
+    assert decode["kernels_s"] >= DELAY * len(calls)
+    assert decode["forward_other_s"] < DELAY

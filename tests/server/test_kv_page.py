@@ -175,15 +175,15 @@ def test_twenty_viewers_share_one_snapshot_per_interval(slow_live):
 
 def test_the_page_in_a_headless_browser(slow_live, tmp_path):
     """Chromium loads /kv through its login form while requests run; the cells drawn, the request rows and the
-    chart points are those of the snapshot the page got; clicking a request highlights exactly its blocks."""
+    chart points are those of the snapshot the page holds; clicking a request highlights exactly its blocks. The
+    page polls while the test reads it, so each comparison reads the page's snapshot and its DOM in one script (the
+    page's timers cannot run in between), however loaded the machine."""
     webdriver = pytest.importorskip("selenium.webdriver")
     if not shutil.which("chromium") or not shutil.which("chromedriver"):
         pytest.skip("chromium and chromedriver are not installed (make services installs them)")
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    hub = slow_live.app.state.kv_hub
-    hub.interval_s = 4.0  # the test's own GET /kv/snapshot then returns the very snapshot the page drew
     _run_requests(slow_live.url, n=3, max_tokens=400)
     time.sleep(0.5)
     opts = webdriver.ChromeOptions()
@@ -203,27 +203,24 @@ def test_the_page_in_a_headless_browser(slow_live, tmp_path):
         driver.find_element(By.ID, "login").submit()
         wait = WebDriverWait(driver, 20)
         wait.until(lambda d: d.execute_script("return document.body.dataset.snapshotTime"))
-        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#requests tbody tr"))
-        page = driver.execute_script("return snap")
-        with httpx.Client(timeout=10) as c:
-            snap = c.get(f"{slow_live.url}/kv/snapshot", headers=AUTH).json()
-        assert snap["time"] == page["time"], "the page and the API should see the same interval's snapshot"
-        canvas = driver.find_element(By.ID, "blockmap")
-        assert int(canvas.get_attribute("data-cells")) == snap["pool"]["num_blocks"]
-        import json
-        assert json.loads(canvas.get_attribute("data-counts")) == _counts(snap["states"])
-        rows = driver.find_elements(By.CSS_SELECTOR, "#requests tbody tr")
-        assert [r.get_attribute("data-request") for r in rows] == [r["id"] for r in snap["requests"]]
-        assert len(rows) >= 2
-        points = driver.find_element(By.ID, "chart-usage").get_attribute("data-points")
-        assert int(points) == len(snap["history"]) >= 1
-        usage = driver.find_element(By.CSS_SELECTOR, '[data-figure="KV usage"] b').text
-        assert usage == f"{100 * snap['health']['kv_usage']:.1f}%"
-        rows[0].click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#requests tbody tr")) >= 2)
+        page = driver.execute_script(_READ_PAGE)
+        snap = page["snap"]
+        assert page["time"] == str(snap["time"])
+        assert page["cells"] == snap["pool"]["num_blocks"]
+        assert page["counts"] == _counts(snap["states"])
+        assert page["rows"] == [r["id"] for r in snap["requests"]] and len(page["rows"]) >= 2
+        assert page["points"] == len(snap["history"]) >= 1
+        assert page["usage"] == f"{100 * snap['health']['kv_usage']:.1f}%"
+        with httpx.Client(timeout=10) as c:  # the page draws what the API serves: the same document, the same pool
+            api = c.get(f"{slow_live.url}/kv/snapshot", headers=AUTH).json()
+        assert set(api) == set(snap) and api["pool"] == snap["pool"] and api["time"] >= snap["time"]
+        driver.find_elements(By.CSS_SELECTOR, "#requests tbody tr")[0].click()
         wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#requests tbody tr.selected"))
-        selected = driver.find_element(By.CSS_SELECTOR, "#requests tbody tr.selected")
-        want = len({b for q in snap["requests"][0]["seqs"] for b in q["blocks"] + q["private"] if b})
-        assert int(canvas.get_attribute("data-highlighted")) == int(selected.get_attribute("data-blocks")) == want > 0
+        picked = driver.execute_script(_READ_SELECTION)
+        mine = [r for r in picked["snap"]["requests"] if r["id"] == picked["request"]]
+        want = len({b for q in mine[0]["seqs"] for b in q["blocks"] + q["private"] if b}) if mine else 0
+        assert picked["highlighted"] == picked["blocks"] == want > 0
         driver.save_screenshot(str(tmp_path / "kv_page.png"))
         assert (tmp_path / "kv_page.png").stat().st_size > 10_000
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
@@ -233,7 +230,23 @@ def test_the_page_in_a_headless_browser(slow_live, tmp_path):
         if driver is not None:
             driver.quit()
         shutil.rmtree(scratch, ignore_errors=True)
-        hub.interval_s = 1.0
+
+
+# The page's snapshot and what it drew of it, read in one script (the page's polling cannot run in between)
+_READ_PAGE = """
+const canvas = document.getElementById("blockmap");
+return {snap: snap, time: document.body.dataset.snapshotTime, cells: Number(canvas.dataset.cells),
+        counts: JSON.parse(canvas.dataset.counts),
+        rows: [...document.querySelectorAll("#requests tbody tr")].map(r => r.dataset.request),
+        points: Number(document.getElementById("chart-usage").dataset.points),
+        usage: document.querySelector('[data-figure="KV usage"] b').textContent};
+"""
+# The selected request, its blocks as the table and the block map give them, and the snapshot they were drawn from
+_READ_SELECTION = """
+const row = document.querySelector("#requests tbody tr.selected");
+return {snap: snap, request: row ? row.dataset.request : null, blocks: row ? Number(row.dataset.blocks) : -1,
+        highlighted: Number(document.getElementById("blockmap").dataset.highlighted)};
+"""
 
 
 def test_kvcache_top_reads_the_kv_api_and_needs_the_key(slow_live, capsys):

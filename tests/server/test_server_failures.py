@@ -193,19 +193,28 @@ def test_a_dead_engine_shuts_the_server_down_with_a_non_zero_status(tiny_llama, 
 
 def test_requests_queued_when_the_engine_dies_are_all_answered(tiny_llama, monkeypatch):
     """Requests arrive while failing steps run: whether running, queued for the engine thread or new, each gets
-    its 500 or 503, none hangs, and the server still exits with ENGINE_DEAD_STATUS."""
+    its 500 or 503, none hangs, and the server still exits with ENGINE_DEAD_STATUS. One request a step
+    (max_num_seqs 1), and the first failing step held until the others have queued behind it: the requests of the
+    steps that failed before the last get 500, the last one's and those still queued 503, however slow the
+    machine."""
     status: list[int] = []
-    dead = start_server(tiny_llama, run=lambda server, loop: status.append(serve_until_dead(server, loop)))
+    dead = start_server(tiny_llama, run=lambda server, loop: status.append(serve_until_dead(server, loop)),
+                        max_num_seqs=1)
+    n = 8
 
-    def slow_and_broken(self, chunks):
-        time.sleep(0.3)  # long enough for more requests to queue up behind the step
+    held = threading.Event()
+
+    def held_and_broken(self, chunks):
+        deadline = time.monotonic() + 30
+        while not held.is_set() and dead.loop.num_waiting < n - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.set()  # the first step only
         raise RuntimeError("injected: the device is gone")
-    monkeypatch.setattr(ModelRunner, "execute", slow_and_broken)
+    monkeypatch.setattr(ModelRunner, "execute", held_and_broken)
 
-    async def staggered():
-        async with httpx.AsyncClient(timeout=20) as client:
+    async def at_once():
+        async with httpx.AsyncClient(timeout=60) as client:
             async def one(i: int):
-                await asyncio.sleep(0.1 * i)
                 try:
                     r = await client.post(f"{dead.url}/v1/completions", headers=H,
                                           json={"model": MODEL, "prompt": f"w{5 + i}", "max_tokens": 2})
@@ -213,10 +222,12 @@ def test_requests_queued_when_the_engine_dies_are_all_answered(tiny_llama, monke
                     return type(e).__name__
                 assert not any(x in r.text for x in INTERNALS)
                 return r.status_code
-            return await asyncio.gather(*[one(i) for i in range(12)])
+            return await asyncio.gather(*[one(i) for i in range(n)])
     try:
-        answers = asyncio.run(staggered())
-        assert 500 in answers and 503 in answers and set(answers) <= {500, 503, "ConnectError"}, answers
+        answers = asyncio.run(at_once())
+        # the failed steps' requests: 500; the last straw's, and those queued behind it, 503 as the server goes down
+        assert answers.count(500) == MAX_CONSECUTIVE_FAILURES - 1 and 503 in answers, answers
+        assert set(answers) <= {500, 503, "ConnectError"}, answers
         dead.thread.join(30)
         assert status == [ENGINE_DEAD_STATUS]
     finally:
