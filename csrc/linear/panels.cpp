@@ -400,76 +400,96 @@ static void code_row(const Panels& w, int64_t p0, int64_t p1, const float* x, fl
   code_row(w, p, x, out, cols);
 }
 #elif defined(KVCACHE_AVX2)
-// Code panel p's weights for input k, outputs 16h .. 16h + 15 (its half h), decoded in registers: scale x code +
-// minimum in one FMA (the product is exact: Panels), Panels::decode's floats. s0, s1: the half's scales of the
-// input's group; mn: its minima. 4 bits: the input's 16 bytes in both 128-bit lanes, the half's nibbles, then an
-// in-lane byte shuffle puts outputs 0-3 | 4-7 (8-11 | 12-15) in dwords: 6.5 cycles for 32 weights where widening
-// each 8 bytes (vpmovzxbd, which crosses lanes) and the high half's unpack took 10.7 (Zen 3).
+// A code panel's weights for one input (its codes at `codes`) and outputs 8j .. 8j + 7 (w0) and 16 + 8j .. 16 + 8j + 7
+// (w1), decoded in registers: scale x code + minimum in one FMA (the product is exact: Panels), Panels::decode's
+// floats. s0, s1: those outputs' scales in the input's group (4 bits: s1 divided by 16, exactly, a power of two);
+// m0, m1: their minima. 4 bits: bytes 8j .. 8j + 7 widened to dwords hold outputs 8j.. in their low nibbles and 16 +
+// 8j.. in their high ones; the high nibble is taken as the byte less its low nibble (16 x code: hence s1 / 16), with
+// no shift: 5.2 cycles for 32 weights where a broadcast of the 16 bytes and four in-lane shuffles took 6.1, and
+// vpmovzxbd after masking 10.7 (Zen 3).
 template <int BITS>
-static inline void code_half(const Panels& w, int64_t p, int64_t k, int h, __m256 s0, __m256 s1, const float* mn,
+static inline void code_pair(const uint8_t* codes, int j, __m256 s0, __m256 s1, const float* m0, const float* m1,
                              __m256& w0, __m256& w1) {
   __m256i c0, c1;
   if constexpr (BITS == 4) {
-    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(w.codes + (p * w.K + k) * 16)));
-    const __m256i v = _mm256_and_si256(h == 0 ? b : _mm256_srli_epi16(b, 4), _mm256_set1_epi8(15));
-    c0 = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
-                                                 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1));
-    c1 = _mm256_shuffle_epi8(v, _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
-                                                 12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1));
+    const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + 8 * j)));
+    c0 = _mm256_and_si256(d, _mm256_set1_epi32(15));
+    c1 = _mm256_sub_epi32(d, c0);
   } else {
-    const uint8_t* c = w.codes + (p * w.K + k) * PANEL + 16 * h;
-    c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)c));
-    c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8)));
+    c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + 8 * j)));
+    c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + 16 + 8 * j)));
   }
-  w0 = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(c0), _mm256_loadu_ps(mn));
-  w1 = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(c1), _mm256_loadu_ps(mn + 8));
+  w0 = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(c0), _mm256_loadu_ps(m0));
+  w1 = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(c1), _mm256_loadu_ps(m1));
 }
 
-// One row x [K] times code panel p into out (cols <= 32 stored): both halves in one pass, four FMA chains (one
+// The scales of outputs 8j.. and 16 + 8j.. of a group (sp: its 32), as code_pair takes them
+template <int BITS>
+static inline void pair_scales(const float* sp, int j, __m256& s0, __m256& s1) {
+  s0 = _mm256_loadu_ps(sp + 8 * j);
+  s1 = _mm256_loadu_ps(sp + 16 + 8 * j);
+  if constexpr (BITS == 4) s1 = _mm256_mul_ps(s1, _mm256_set1_ps(0.0625f));
+}
+
+// One row x [K] times code panel p into out (cols <= 32 stored): every output in one pass, four FMA chains (one
 // row's two would each wait on the FMA's latency), the chunks' sums added in order: panel_pass's floats. Not
 // inlined: inside the parallel region's lambda GCC kept decoded weights on the stack.
 template <int BITS>
 __attribute__((noinline)) static void code_row1(const Panels& w, int64_t p, const float* x, float* out, int64_t cols) {
+  constexpr int64_t ROW = BITS == 4 ? 16 : PANEL;  // bytes of codes per input
   const int64_t K = w.K, G = K / PANEL;
-  __m256 acc[4], sum[4];
+  const uint8_t* codes = w.codes + p * K * ROW;
+  __m256 acc[4], sum[4];  // outputs 0-7, 16-23, 8-15, 24-31
   for (int64_t k0 = 0; k0 < K; k0 += PANEL_CHUNK) {
     for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t g = k0 / PANEL; g < std::min(K, k0 + PANEL_CHUNK) / PANEL; ++g) {
       const float *sp = w.scale + (p * G + g) * PANEL, *mp = w.minimum + (p * G + g) * PANEL;
-      const __m256 s0 = _mm256_loadu_ps(sp), s1 = _mm256_loadu_ps(sp + 8), s2 = _mm256_loadu_ps(sp + 16),
-                   s3 = _mm256_loadu_ps(sp + 24);
+      for (int i = 0; i < 2; ++i) {  // the group 2 ahead's scales and minima (in the next panel near the end)
+        prefetch_l1(sp + 2 * PANEL + 16 * i);
+        prefetch_l1(mp + 2 * PANEL + 16 * i);
+      }
+      // the codes 2 KiB ahead, a line per 64 bytes of this group's
+      for (int64_t c = 0; c < PANEL * ROW; c += 64) prefetch_l1((const char*)codes + g * PANEL * ROW + 2048 + c);
+      __m256 s[4];
+      pair_scales<BITS>(sp, 0, s[0], s[1]);
+      pair_scales<BITS>(sp, 1, s[2], s[3]);
       for (int64_t k = g * PANEL; k < (g + 1) * PANEL; ++k) {
         const __m256 a = _mm256_broadcast_ss(x + k);
-        __m256 w0, w1;  // a half at a time: its two registers of weights go into their FMAs before the next half's
-        code_half<BITS>(w, p, k, 0, s0, s1, mp, w0, w1);
-        acc[0] = _mm256_fmadd_ps(a, w0, acc[0]);
-        acc[1] = _mm256_fmadd_ps(a, w1, acc[1]);
-        code_half<BITS>(w, p, k, 1, s2, s3, mp + 16, w0, w1);  // (the same 16 bytes: in L1 the second time)
-        acc[2] = _mm256_fmadd_ps(a, w0, acc[2]);
-        acc[3] = _mm256_fmadd_ps(a, w1, acc[3]);
+        for (int j = 0; j < 2; ++j) {  // a pair at a time: its weights go into their FMAs before the next pair's
+          __m256 w0, w1;
+          code_pair<BITS>(codes + k * ROW, j, s[2 * j], s[2 * j + 1], mp + 8 * j, mp + 16 + 8 * j, w0, w1);
+          acc[2 * j] = _mm256_fmadd_ps(a, w0, acc[2 * j]);
+          acc[2 * j + 1] = _mm256_fmadd_ps(a, w1, acc[2 * j + 1]);
+        }
       }
     }
     for (int j = 0; j < 4; ++j) sum[j] = k0 == 0 ? acc[j] : _mm256_add_ps(sum[j], acc[j]);
   }
   alignas(32) float t[32];
-  for (int j = 0; j < 4; ++j) _mm256_store_ps(t + 8 * j, sum[j]);
+  for (int j = 0; j < 2; ++j) {
+    _mm256_store_ps(t + 8 * j, sum[2 * j]);
+    _mm256_store_ps(t + 16 + 8 * j, sum[2 * j + 1]);
+  }
   std::memcpy(out, t, cols * sizeof(float));
 }
 
-// MR rows of x (row stride ldx) times half h of code panel p into sum (rows of 32 floats, this half's 16): the
+// MR rows of x (row stride ldx) times outputs 8j.. and 16 + 8j.. of code panel p into sum (rows of 32 floats): the
 // weights decoded once per input for all MR rows, panel_pass's chains and sums
 template <int BITS, int MR>
-static inline void code_tile(const Panels& w, int64_t p, int h, const float* x, int64_t ldx, float* sum) {
+static inline void code_tile(const Panels& w, int64_t p, int j, const float* x, int64_t ldx, float* sum) {
+  constexpr int64_t ROW = BITS == 4 ? 16 : PANEL;
   const int64_t K = w.K, G = K / PANEL;
+  const uint8_t* codes = w.codes + p * K * ROW;
   __m256 acc[MR][2];
   for (int64_t k0 = 0; k0 < K; k0 += PANEL_CHUNK) {
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = k0 / PANEL; g < std::min(K, k0 + PANEL_CHUNK) / PANEL; ++g) {
-      const float *sp = w.scale + (p * G + g) * PANEL + 16 * h, *mp = w.minimum + (p * G + g) * PANEL + 16 * h;
-      const __m256 s0 = _mm256_loadu_ps(sp), s1 = _mm256_loadu_ps(sp + 8);
+      const float *sp = w.scale + (p * G + g) * PANEL, *mp = w.minimum + (p * G + g) * PANEL;
+      __m256 s0, s1;
+      pair_scales<BITS>(sp, j, s0, s1);
       for (int64_t k = g * PANEL; k < (g + 1) * PANEL; ++k) {
         __m256 w0, w1;
-        code_half<BITS>(w, p, k, h, s0, s1, mp, w0, w1);
+        code_pair<BITS>(codes + k * ROW, j, s0, s1, mp + 8 * j, mp + 16 + 8 * j, w0, w1);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
@@ -479,20 +499,20 @@ static inline void code_tile(const Panels& w, int64_t p, int h, const float* x, 
       }
     }
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < 2; ++j) {
+      for (int h = 0; h < 2; ++h) {
         float* at = sum + r * 32 + 16 * h + 8 * j;
-        _mm256_storeu_ps(at, k0 == 0 ? acc[r][j] : _mm256_add_ps(_mm256_loadu_ps(at), acc[r][j]));
+        _mm256_storeu_ps(at, k0 == 0 ? acc[r][h] : _mm256_add_ps(_mm256_loadu_ps(at), acc[r][h]));
       }
   }
 }
 
 // code_tile<BITS, m> for a run-time m <= MR
 template <int BITS, int MR>
-static inline void code_block(int64_t m, const Panels& w, int64_t p, int h, const float* x, int64_t ldx, float* sum) {
+static inline void code_block(int64_t m, const Panels& w, int64_t p, int j, const float* x, int64_t ldx, float* sum) {
   if constexpr (MR > 1) {
-    if (m < MR) return code_block<BITS, MR - 1>(m, w, p, h, x, ldx, sum);
+    if (m < MR) return code_block<BITS, MR - 1>(m, w, p, j, x, ldx, sum);
   }
-  code_tile<BITS, MR>(w, p, h, x, ldx, sum);
+  code_tile<BITS, MR>(w, p, j, x, ldx, sum);
 }
 
 // rows [0, rows) of x (row stride K) times code panel p into out (row stride ldo, cols <= 32 stored)
@@ -505,11 +525,11 @@ static void code_pass(const Panels& w, int64_t p, const float* x, int64_t rows, 
   }
   thread_local std::vector<float> sums;
   sums.resize(rows * 32);
-  for (int h = 0; h < (cols > 16 ? 2 : 1); ++h)
+  for (int j = 0; j < 2; ++j)  // outputs 8j.. and 16 + 8j.. (a panel's unused columns computed too: zero codes)
     for (int64_t m0 = 0; m0 < rows; m0 += CODE_TILE) {
       const int64_t m = std::min<int64_t>(CODE_TILE, rows - m0);
-      if (w.bits == 4) code_block<4, CODE_TILE>(m, w, p, h, x + m0 * w.K, w.K, sums.data() + m0 * 32);
-      else code_block<8, CODE_TILE>(m, w, p, h, x + m0 * w.K, w.K, sums.data() + m0 * 32);
+      if (w.bits == 4) code_block<4, CODE_TILE>(m, w, p, j, x + m0 * w.K, w.K, sums.data() + m0 * 32);
+      else code_block<8, CODE_TILE>(m, w, p, j, x + m0 * w.K, w.K, sums.data() + m0 * 32);
     }
   for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * ldo, sums.data() + r * 32, cols * sizeof(float));
 }
