@@ -131,12 +131,12 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
 // panel from L2 (K = 576: 36 KiB; the demo's prefill GEMMs at ~50% of the FMA peak).
 constexpr int PANEL_ROWS = 6;
 
-// MR rows' sums (rows of 32 floats, this half's 16) over inputs [k0, k1) of half panel wh: set on the first chunk,
-// else added to, in order. AHEAD: tick *ahead once per input (in a register copy: through the reference, the count
+// MR rows' sums (rows of 32 floats, this half's 16) over inputs [k0, k1) of half panel wh, the rows x packed by
+// pass_rows ([K][PANEL_ROWS]): set on the first chunk, else added to, in order. AHEAD: tick *ahead once per input (in a register copy: through the reference, the count
 // went to memory and back every input, a store-forwarding wait per group of FMAs)
 template <int MR, bool AHEAD>
-static inline void half_chunk(const float* x, int64_t ldx, const float* wh, int64_t k0, int64_t k1, float* sum,
-                              bool first, PanelAhead* ahead_) {
+static inline void half_chunk(const float* x, const float* wh, int64_t k0, int64_t k1, float* sum, bool first,
+                              PanelAhead* ahead_) {
   PanelAhead ahead;
   if constexpr (AHEAD) ahead = *ahead_;
   __m256 acc[MR][2];
@@ -146,7 +146,7 @@ static inline void half_chunk(const float* x, int64_t ldx, const float* wh, int6
     const __m256 w0 = _mm256_loadu_ps(wh + k * PANEL), w1 = _mm256_loadu_ps(wh + k * PANEL + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+      const __m256 a = _mm256_broadcast_ss(x + k * PANEL_ROWS + r);
       acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
     }
@@ -161,13 +161,31 @@ static inline void half_chunk(const float* x, int64_t ldx, const float* wh, int6
 
 // half_chunk<m> for a run-time m <= MR, ticking `ahead` where it has lines to read ahead
 template <int MR>
-static inline void half_block(int64_t m, const float* x, int64_t ldx, const float* wh, int64_t k0, int64_t k1,
-                              float* sum, bool first, PanelAhead* ahead) {
+static inline void half_block(int64_t m, const float* x, const float* wh, int64_t k0, int64_t k1, float* sum,
+                              bool first, PanelAhead* ahead) {
   if constexpr (MR > 1) {
-    if (m < MR) return half_block<MR - 1>(m, x, ldx, wh, k0, k1, sum, first, ahead);
+    if (m < MR) return half_block<MR - 1>(m, x, wh, k0, k1, sum, first, ahead);
   }
-  if (ahead != nullptr && ahead->lines > 0) half_chunk<MR, true>(x, ldx, wh, k0, k1, sum, first, ahead);
-  else half_chunk<MR, false>(x, ldx, wh, k0, k1, sum, first, nullptr);
+  if (ahead != nullptr && ahead->lines > 0) half_chunk<MR, true>(x, wh, k0, k1, sum, first, ahead);
+  else half_chunk<MR, false>(x, wh, k0, k1, sum, first, nullptr);
+}
+
+// x [rows][K] as panel_pass reads it: blocks of PANEL_ROWS rows, each [K][PANEL_ROWS] (the last one's missing rows
+// zero), in a buffer of the thread's: a row block's broadcasts then read one stream, where six rows' had been six
+// streams of 8 lines a chunk, too short for the hardware prefetcher (the prefill GEMMs at 2/3 of the FMA peak with
+// the micro-kernel at the peak in L1)
+static inline const float* pass_rows(const float* x, int64_t K, int64_t rows) {
+  thread_local std::vector<float> packed;
+  const int64_t blocks = (rows + PANEL_ROWS - 1) / PANEL_ROWS;
+  packed.resize(blocks * K * PANEL_ROWS);
+  for (int64_t b = 0; b < blocks; ++b) {
+    float* dst = packed.data() + b * K * PANEL_ROWS;
+    for (int64_t r = 0; r < PANEL_ROWS; ++r) {
+      const float* src = b * PANEL_ROWS + r < rows ? x + (b * PANEL_ROWS + r) * K : nullptr;
+      for (int64_t k = 0; k < K; ++k) dst[k * PANEL_ROWS + r] = src ? src[k] : 0.f;
+    }
+  }
+  return packed.data();
 }
 #else
 constexpr int PANEL_ROWS = 4;
@@ -188,7 +206,7 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
 #endif
 
 #if defined(KVCACHE_AVX2)
-// rows [0, rows) of x (row stride K) times panel w into out (row stride ldo; cols <= 32 stored): chunk by chunk of
+// rows [0, rows) of x (packed by pass_rows) times panel w into out (row stride ldo; cols <= 32 stored): chunk by chunk of
 // PANEL_CHUNK inputs (16 KiB of the panel, in L1 while it lasts), each half panel against every row block of
 // PANEL_ROWS (half_chunk), the sums kept in a buffer of the thread's until the last chunk. The chunk after this one
 // (or the thread's next panel, `next`, after the last) is read ahead while the first row block multiplies this one.
@@ -207,8 +225,8 @@ static inline void panel_pass(const float* x, int64_t K, int64_t rows, const flo
     for (int64_t half = 0; half < halves; ++half)
       for (int64_t i = 0; i < blocks; ++i) {
         const int64_t m0 = i * PANEL_ROWS;
-        half_block<PANEL_ROWS>(std::min<int64_t>(PANEL_ROWS, rows - m0), x + m0 * K, K, w + half * 16, k0, k1,
-                               sums.data() + m0 * 32 + half * 16, k0 == 0, half == 0 && i == 0 ? &ahead : nullptr);
+        half_block<PANEL_ROWS>(std::min<int64_t>(PANEL_ROWS, rows - m0), x + i * K * PANEL_ROWS, w + half * 16, k0,
+                               k1, sums.data() + m0 * 32 + half * 16, k0 == 0, half == 0 && i == 0 ? &ahead : nullptr);
       }
   }
   for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * ldo, sums.data() + r * 32, cols * sizeof(float));
@@ -239,6 +257,8 @@ static inline void panel_pass(const float* x, int64_t K, int64_t rows, const flo
   }
 }
 
+// x as panel_pass reads it: its rows as they are
+static inline const float* pass_rows(const float* x, int64_t, int64_t) { return x; }
 #endif
 
 // Rows of x per pass over a thread's panels: about PANEL_X_BYTES of x, which stay in the core's cache while its
@@ -563,10 +583,13 @@ void panels_linear(Tensor out, const Tensor& x, const Panels& w, const char* wha
 #endif
   at::parallel_for(0, w.P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(w.buffer());
-    for (int64_t c0 = 0; c0 < M; c0 += chunk)
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+      const int64_t rows = std::min(M, c0 + chunk) - c0;
+      const float* xr = pass_rows(xp + c0 * K, K, rows);
       for (int64_t p = begin; p < end; ++p)
-        panel_pass(xp + c0 * K, K, std::min(M, c0 + chunk) - c0, w.get(p, buf.data()), w.ahead(p, end),
-                   op + c0 * N + p * PANEL, N, std::min(PANEL, N - p * PANEL));
+        panel_pass(xr, K, rows, w.get(p, buf.data()), w.ahead(p, end), op + c0 * N + p * PANEL, N,
+                   std::min(PANEL, N - p * PANEL));
+    }
   });
 }
 
@@ -653,11 +676,12 @@ void panels_gate_up_silu(Tensor act, const Tensor& x, const Panels& w) {
     std::vector<float> up(std::min(chunk, M) * PANEL), gbuf(w.buffer()), ubuf(w.buffer());
     for (int64_t c0 = 0; c0 < M; c0 += chunk) {
       const int64_t rows = std::min(M, c0 + chunk) - c0;
+      const float* xr = pass_rows(xp + c0 * K, K, rows);
       for (int64_t j = begin; j < end; ++j) {
         const float *gate = w.get(j, gbuf.data()), *upw = w.get(j + half, ubuf.data());
         float* a = ap + c0 * I + j * PANEL;
-        panel_pass(xp + c0 * K, K, rows, gate, w.w != nullptr ? upw : nullptr, a, I, PANEL);
-        panel_pass(xp + c0 * K, K, rows, upw, w.ahead(j, end), up.data(), PANEL, PANEL);
+        panel_pass(xr, K, rows, gate, w.w != nullptr ? upw : nullptr, a, I, PANEL);
+        panel_pass(xr, K, rows, upw, w.ahead(j, end), up.data(), PANEL, PANEL);
         for (int64_t r = 0; r < rows; ++r) silu_mul_span(a + r * I, up.data() + r * PANEL, a + r * I, PANEL, vec);
       }
     }

@@ -40,5 +40,5 @@ def write_json(path: str, results: dict) -> None:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({**results, "machine": results.get("machine") or machine()}, f, indent=2)
+        json.dump({**results, "machine": {**machine(), **results.get("machine", {})}}, f, indent=2)
     print(f"wrote {path}")
