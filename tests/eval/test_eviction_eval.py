@@ -200,7 +200,8 @@ def test_command_end_to_end_on_a_tiny_model(tiny_llama, tmp_path, capsys):
                "--json", str(out), "--plot", str(png)])
     assert rc == 0
     r = json.loads(out.read_text())
-    assert set(r) == {"quality", "passkey", "capacity", "settings"}
+    assert set(r) == {"quality", "passkey", "capacity", "settings", "machine"}
+    assert r["machine"]["cpu"] and r["machine"]["torch"]  # a figure is never read without its machine
     q = r["quality"]
     assert q["full"]["kl"] == 0.0 and q["full"]["top1"] == 1.0
     assert [(x["policy"], x["budget"]) for x in q["runs"]] == [

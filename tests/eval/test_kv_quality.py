@@ -178,7 +178,8 @@ def test_command_end_to_end_on_a_tiny_model(tiny_llama, tmp_path, capsys):
                "--json", str(out), "--plot", str(png)])
     assert rc == 0
     r = json.loads(out.read_text())
-    assert set(r) == {"baseline", "dtypes", "settings"}
+    assert set(r) == {"baseline", "dtypes", "settings", "machine"}
+    assert r["machine"]["cpu"] and r["machine"]["torch"]  # a figure is never read without its machine
     assert list(r["dtypes"]) == ["int8", "int4"]
     base = r["baseline"]
     assert base["name"] == "fp32 (baseline)" and base["kv_cache_dtype"] == "float32"

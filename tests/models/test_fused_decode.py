@@ -104,4 +104,4 @@ def test_decode_layers_refuses_what_does_not_add_up(tiny_model_dirs):
             k.decode_layers(x.clone(), w, c, caches, windows, args["eps"], args["heads"], args["kv_heads"],
                             args["head_dim"], args["inter"], cos, sin, torch.zeros(1, dtype=torch.long),
                             torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
-                            torch.empty(0, dtype=torch.long), 0.125, 128, 1)  # refused before the address is used
+                            torch.empty(0, dtype=torch.long), 0.125, 128)  # refused before a kernel runs
