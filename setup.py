@@ -160,6 +160,9 @@ def build_ext_class(base):
                                          {"common": COMMON_FLAGS, "variants": isa_variants()})
                 print(f"kvcache: built the C++ kernels ({', '.join(sorted(modules))}) into {directory}; "
                       f"manifest {written}", file=sys.stderr)
+            if self.inplace or getattr(self, "editable_mode", False):
+                # in place now: the build directory's copies would ride along in a later wheel of this checkout
+                shutil.rmtree(os.path.join(self.build_lib, "kvcache", "_native", manifest.env_key()), ignore_errors=True)
 
     return BuildKernels
 
