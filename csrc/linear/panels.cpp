@@ -131,9 +131,22 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
 // panel from L2 (K = 576: 36 KiB; the demo's prefill GEMMs at ~50% of the FMA peak).
 constexpr int PANEL_ROWS = 6;
 
+// One input's FMAs into MR rows' accumulators (x[r * ldx + k] times the weights w0, w1), which half_chunk and
+// code_tile share (so both give the same floats)
+template <int MR>
+static inline void tile_fma(const float* x, int64_t ldx, int64_t k, __m256 w0, __m256 w1, __m256 (&acc)[MR][2]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+    acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
+    acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+  }
+}
+
 // MR rows' sums (rows of 32 floats, this half's 16) over inputs [k0, k1) of half panel wh, the rows x packed by
-// pass_rows ([K][PANEL_ROWS]): set on the first chunk, else added to, in order. AHEAD: tick *ahead once per input (in a register copy: through the reference, the count
-// went to memory and back every input, a store-forwarding wait per group of FMAs)
+// pass_rows ([K][PANEL_ROWS]): set on the first chunk, else added to, in order. AHEAD: tick *ahead once per input
+// (in a register copy: through the reference, the count went to memory and back every input, a store-forwarding
+// wait per group of FMAs)
 template <int MR, bool AHEAD>
 static inline void half_chunk(const float* x, const float* wh, int64_t k0, int64_t k1, float* sum, bool first,
                               PanelAhead* ahead_) {
@@ -143,13 +156,7 @@ static inline void half_chunk(const float* x, const float* wh, int64_t k0, int64
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
     if constexpr (AHEAD) ahead.tick();
-    const __m256 w0 = _mm256_loadu_ps(wh + k * PANEL), w1 = _mm256_loadu_ps(wh + k * PANEL + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + k * PANEL_ROWS + r);
-      acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
-    }
+    tile_fma<MR>(x + k * PANEL_ROWS, 1, 0, _mm256_loadu_ps(wh + k * PANEL), _mm256_loadu_ps(wh + k * PANEL + 8), acc);
   }
   for (int r = 0; r < MR; ++r)
     for (int h = 0; h < 2; ++h) {
@@ -206,8 +213,8 @@ static inline void panel_rows(const float* x, int64_t ldx, const float* w, int64
 #endif
 
 #if defined(KVCACHE_AVX2)
-// rows [0, rows) of x (packed by pass_rows) times panel w into out (row stride ldo; cols <= 32 stored): chunk by chunk of
-// PANEL_CHUNK inputs (16 KiB of the panel, in L1 while it lasts), each half panel against every row block of
+// rows [0, rows) of x (packed by pass_rows) times panel w into out (row stride ldo; cols <= 32 stored): chunk by
+// chunk of PANEL_CHUNK inputs (16 KiB of the panel, in L1 while it lasts), each half panel against every row block of
 // PANEL_ROWS (half_chunk), the sums kept in a buffer of the thread's until the last chunk. The chunk after this one
 // (or the thread's next panel, `next`, after the last) is read ahead while the first row block multiplies this one.
 // The same chains and sums, in the same order, as the other builds' panel_rows: the same floats.
@@ -510,12 +517,7 @@ static inline void code_tile(const Panels& w, int64_t p, int j, const float* x, 
       for (int64_t k = g * PANEL; k < (g + 1) * PANEL; ++k) {
         __m256 w0, w1;
         code_pair<BITS>(codes + k * ROW, j, s0, s1, mp + 8 * j, mp + 16 + 8 * j, w0, w1);
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
-          acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
-        }
+        tile_fma<MR>(x, ldx, k, w0, w1, acc);
       }
     }
     for (int r = 0; r < MR; ++r)
@@ -608,7 +610,9 @@ void code_panel_linear(Tensor out, Tensor x, Tensor codes, Tensor scale,
 // (AVX-512), measured on a 576 x 1,536 layer from memory (2 Zen 4 cores), against the float32 panels in two runs:
 // 2.97-2.99x at 1 row, 2.8-3.2x at 2, 1.8-2.0x at 4, 1.17-1.29x at 8, 0.93-1.09x at 16, 0.79-0.82x from 32 (where the
 // arithmetic bounds both, and decoding adds to it; decoding a chunk of the panel into L1 once for every row block
-// instead gave 0.85x at 32 rows, 0.91x at 64, 0.95x at 256). Without AVX-512 (a decoded panel in memory): none.
+// instead gave 0.85x at 32 rows, 0.91x at 64, 0.95x at 256). The AVX2 build decodes in registers too, with the same
+// threshold. The plain build decodes a code panel into a buffer before multiplying it (Panels::get): it keeps no
+// codes (0 rows).
 #if defined(KVCACHE_AVX512) || defined(KVCACHE_AVX2)
 constexpr int64_t CODE_ROWS = 8;
 #else
