@@ -85,10 +85,15 @@ def build_ext_class(base):
             super().__init__(*args, use_ninja=False, **kwargs)  # one compiler per source, in parallel below
             self._objects: dict[str, list[str]] | None = None
 
+        @property
+        def in_place(self) -> bool:
+            """An editable install or `build_ext --inplace`: the modules go to this environment's own directory."""
+            return bool(self.inplace or getattr(self, "editable_mode", False))
+
         def finalize_options(self) -> None:
             super().finalize_options()
             self.force = True  # always link: _compile_all decides what to compile again
-            if self.inplace or getattr(self, "editable_mode", False):
+            if self.in_place:
                 key = manifest.env_key()
                 for ext in self.extensions:
                     if ext.name.startswith("kvcache._native.") and ext.name.count(".") == 2:
@@ -160,9 +165,9 @@ def build_ext_class(base):
                                          {"common": COMMON_FLAGS, "variants": isa_variants()})
                 print(f"kvcache: built the C++ kernels ({', '.join(sorted(modules))}) into {directory}; "
                       f"manifest {written}", file=sys.stderr)
-            if self.inplace or getattr(self, "editable_mode", False):
-                # in place now: the build directory's copies would ride along in a later wheel of this checkout
-                shutil.rmtree(os.path.join(self.build_lib, "kvcache", "_native", manifest.env_key()), ignore_errors=True)
+            if self.in_place:  # the build directory's copies would ride along in a later wheel of this checkout
+                shutil.rmtree(os.path.join(self.build_lib, "kvcache", "_native", manifest.env_key()),
+                              ignore_errors=True)
 
     return BuildKernels
 

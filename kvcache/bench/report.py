@@ -26,9 +26,8 @@ def machine() -> dict:
     import torch
 
     from kvcache import native
-    isa = native.isa() if os.environ.get(native.OFF_ENV, "1") != "0" else None
     return {"cpu": cpu_model(), "arch": platform.machine(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "cpu_isa": isa, "cpu_kernels": native.describe(), "cpu_features": native.cpu_features(),
+            "cpu_isa": native.isa(), "cpu_kernels": native.describe(), "cpu_features": native.cpu_features(),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
             "date": datetime.date.today().isoformat()}
 

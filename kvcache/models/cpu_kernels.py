@@ -7,9 +7,9 @@ PyTorch's ops.
   weights from memory faster than oneDNN's linear at decode's row counts, and each row's result does not depend on
   the rows beside it.
 - `code_panel_linear`: panel_linear on a GGUF grid's codes (Q4_0/Q4_1 4-bit, Q8_0 8-bit, a float32 scale and minimum
-  per 32 inputs) that decode to the float32 weights bit for bit: a step of up to code_rows() rows (8 with AVX-512 or AVX2, 0 in the plain build)
-  reads 0.75-1.25 bytes a weight instead of 4 and decodes them in registers (llama.py's Dense keeps both forms for
-  such layers; EXACT_CODES).
+  per 32 inputs) that decode to the float32 weights bit for bit: a step of up to code_rows() rows (8 with AVX-512 or
+  AVX2, 0 in the plain build) reads 0.75-1.25 bytes a weight instead of 4 and decodes them in registers (llama.py's
+  Dense keeps both forms for such layers; EXACT_CODES).
 - `int8_linear`: weight-only int8 matrix product (quant_linear.py).
 - `int4_linear`: 4-bit weights (groups of 32 with a scale and a minimum, GGUF's Q4_1) times activations quantized to
   int8 per group of 32 on the fly (GGUF's Q8_1), multiplied with AVX512-VNNI's u8 x s8 dot product, as llama.cpp does

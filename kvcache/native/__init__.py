@@ -169,8 +169,8 @@ def rebuild(why: str) -> None:
         data = manifest.read(directory)
         if data is not None and _verify(directory, data) is None:  # another process rebuilt it meanwhile
             return
-        log.warning("the C++ CPU kernels in %s are not usable (%s): rebuilding them in place (python setup.py build_ext "
-                    "--inplace, about %d minutes on 2 cores; the log: %s)", directory, why, BUILD_MINUTES,
+        log.warning("the C++ CPU kernels in %s are not usable (%s): rebuilding them in place (python setup.py "
+                    "build_ext --inplace, about %d minutes on 2 cores; the log: %s)", directory, why, BUILD_MINUTES,
                     os.path.join(directory, "build.log"))
         env = {k: v for k, v in os.environ.items() if k != "KVCACHE_BUILD_KERNELS"}
         with open(os.path.join(directory, "build.log"), "w") as out:

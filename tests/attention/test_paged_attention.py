@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from paged_kv import random_paged_kv
 
 from kvcache.attention import cpu_kernel
 from kvcache.attention.metadata import SeqChunk, build_batch
@@ -128,14 +129,7 @@ def test_cpu_kernel_row_does_not_depend_on_its_batch(cpu_isa):
     g = torch.Generator().manual_seed(3)
     bs, kvh, heads, d = 16, 2, 6, 64
     lens = [700, 1, 129, 300, 17]
-    nb = [-(-n // bs) for n in lens]
-    k = torch.randn(sum(nb) + 1, bs, kvh, d, generator=g)
-    v = torch.randn(sum(nb) + 1, bs, kvh, d, generator=g)
-    tables = torch.zeros(len(lens), max(nb), dtype=torch.int64)
-    at = 1
-    for i, n in enumerate(nb):
-        tables[i, :n] = torch.arange(at, at + n)
-        at += n
+    k, v, tables, nb = random_paged_kv(lens, bs, kvh, d, g)
     q = torch.randn(len(lens), heads, d, generator=g)
     together = torch.empty_like(q)
     cpu_kernel.paged_decode(together, q, k, v, tables, torch.tensor(lens), 0.125, None)

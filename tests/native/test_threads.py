@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_kv import random_paged_kv
 
 from kvcache import native
 from kvcache.attention import cpu_kernel
@@ -83,14 +84,7 @@ def test_decode_attention_gives_the_same_floats_at_every_thread_count(kernels, t
     g = torch.Generator().manual_seed(0)
     bs, kvh, heads, d = 16, 2, 6, 64
     lens = [700, 1, 129, 3000, 17]  # one long sequence split in many items, short ones in one
-    nb = [-(-n // bs) for n in lens]
-    k = torch.randn(sum(nb) + 1, bs, kvh, d, generator=g)
-    v = torch.randn(sum(nb) + 1, bs, kvh, d, generator=g)
-    tables = torch.zeros(len(lens), max(nb), dtype=torch.int64)
-    at = 1
-    for i, n in enumerate(nb):
-        tables[i, :n] = torch.arange(at, at + n)
-        at += n
+    k, v, tables, nb = random_paged_kv(lens, bs, kvh, d, g)
     q = torch.randn(len(lens), heads, d, generator=g)
 
     def decode():
