@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install services demo test bench eval eval-eviction gpu-check clean
+.PHONY: install services demo lint test bench eval eval-eviction gpu-check clean
 
 # The C++ kernels (csrc/) are built by the install (setup.py), against the torch installed first: hence
 # --no-build-isolation, and setuptools in the venv (setup.py compiles the sources in parallel itself).
@@ -32,8 +32,12 @@ demo: install
 
 # One process per core (pytest-xdist), at most four: many tests wait on subprocesses, servers and Ray, and each worker
 # loads the demo model and its transformers oracle once (~2 GiB)
-test: install services
+test: install services lint
 	$(PY) -m pytest -q -n auto --maxprocesses 4
+
+# The package's layers only point down and its modules import in no cycle (the contracts in pyproject.toml)
+lint: install
+	$(VENV)/bin/lint-imports
 
 bench: install
 	$(VENV)/bin/kvcache bench throughput --num-prompts 64 --input-len 64:512 --output-len 32:256 --seed 0 \

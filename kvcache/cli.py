@@ -440,6 +440,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas != 1:  # Ray Serve replicas behind a router: the router's layer starts them
+        if not 0 < args.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {args.port}")
+        from kvcache.router.replicas import serve_replicas
+        config = engine_config(args)
+        if args.served_model:
+            config.model = args.served_model
+        return serve_replicas(args, config)
     from kvcache.server.serve import run
     return run(args, engine_config(args))
 

@@ -1,6 +1,8 @@
 """Engine configuration: one validated dataclass; CLI flags map onto it one to one (vLLM names)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -8,14 +10,12 @@ from dataclasses import dataclass
 import psutil
 
 from kvcache.compress.spec import EvictionSpec, parse_budget
-from kvcache.engine.kv_events import ENDPOINT_SCHEMES
 from kvcache.plan.capacity import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from kvcache.plan.kv_bytes import KV_DTYPES, default_block_size, kv_dtype
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
-
-
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")  # where --kv-events-endpoint may bind (ZeroMQ)
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -125,7 +125,7 @@ class EngineConfig:
     # (vLLM's flag)
     enforce_eager: bool = False
     # Ranks a model is split over (Megatron-style, torch.distributed: gloo on CPU, NCCL on GPUs); the engine starts
-    # the other ranks' processes itself (distributed/tensor_parallel.py)
+    # the other ranks' processes itself (parallel/group.py)
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -188,7 +188,6 @@ class EngineConfig:
             raise ValueError(f"kv_events_endpoint must be a ZeroMQ endpoint (tcp://*:5557, tcp://host:port, ipc://path);"
                              f" got {self.kv_events_endpoint!r}")
         self._check_replay()
-        from kvcache.engine.spec_decode import SpeculativeConfig
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative is not None:
             if self.kv_eviction != "none":
@@ -231,3 +230,75 @@ class EngineConfig:
         """The eviction every request gets unless it asks for its own."""
         return EvictionSpec(self.kv_eviction, self.kv_budget)
 
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+    disable_by_batch_size: int | None = None  # no proposals while more sequences than this are running
+    model: str | None = None  # draft_model: the draft checkpoint (a directory or GGUF with the target's tokenizer)
+    quantization: str | None = None  # draft_model: its linear layers (None: as the target's --quantization)
+
+    @staticmethod
+    def parse(value) -> SpeculativeConfig | None:
+        """From vLLM's `speculative_config` (a dict, or its JSON text); None for None. ValueError, naming the field
+        and the numbers, for what is not supported or inconsistent. Absent lookup sizes follow vLLM: both 5, or
+        the one given for both."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object; {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown fields {unknown}; known: {sorted(known)}")
+        method = value.get("method", "draft_model" if value.get("model") is not None else "ngram")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}; got {method!r}")
+        k = _spec_integer("num_speculative_tokens", value.get("num_speculative_tokens"), MAX_SPECULATIVE_TOKENS)
+        off = value.get("disable_by_batch_size")
+        off = None if off is None else _spec_integer("disable_by_batch_size", off)
+        if method == "draft_model":
+            return SpeculativeConfig._draft(value, k, off)
+        for name in ("model", "quantization"):
+            if value.get(name) is not None:
+                raise ValueError(f"speculative_config {name} is a draft_model field; method ngram has no model")
+        hi, lo = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+        hi, lo = (5, 5) if hi is None and lo is None else (hi if hi is not None else lo, lo if lo is not None else hi)
+        hi, lo = _spec_integer("prompt_lookup_max", hi), _spec_integer("prompt_lookup_min", lo)
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min {lo} is above prompt_lookup_max {hi}")
+        return SpeculativeConfig(method, k, hi, lo, off)
+
+    @staticmethod
+    def _draft(value: dict, k: int, off: int | None) -> SpeculativeConfig:
+        model, quant = value.get("model"), value.get("quantization")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"speculative_config method draft_model needs model (the draft checkpoint's path); "
+                             f"got {model!r}")
+        lookup = sorted(n for n in ("prompt_lookup_max", "prompt_lookup_min") if value.get(n) is not None)
+        if lookup:
+            raise ValueError(f"speculative_config {', '.join(lookup)} are ngram fields; method draft_model has none")
+        if quant is not None and quant not in WEIGHT_QUANTIZATIONS:
+            raise ValueError(f"speculative_config quantization must be one of {', '.join(WEIGHT_QUANTIZATIONS)}; "
+                             f"got {quant!r}")
+        return SpeculativeConfig("draft_model", k, 0, 0, off, model, quant)
+
+
+def _spec_integer(name: str, v, most: int | None = None) -> int:
+    """`v` if it is an int in 1..most (a positive int where no `most`); ValueError naming the field otherwise."""
+    if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= (most or v):
+        return v
+    want = f"an integer in 1..{most}" if most else "a positive integer"
+    raise ValueError(f"speculative_config {name} must be {want}; got {v!r}")

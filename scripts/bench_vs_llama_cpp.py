@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 from kvcache.bench.serve import wait_until_serving
-from kvcache.distributed.host import free_port
+from kvcache.parallel.host import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = {

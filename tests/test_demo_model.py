@@ -160,7 +160,7 @@ def test_eviction_frees_memory_and_scored_policies_beat_random(demo_llm):
     """On a real document at a quarter of the context: the cache really shrinks to the budget, and the
     attention-scored policies stay closer to the full cache than random eviction (the floor)."""
     from kvcache.compress.spec import EvictionSpec
-    from kvcache.eval.corpus import document_windows, load_corpus
+    from kvcache.bench.corpus import document_windows, load_corpus
     from kvcache.eval.kv_quality import QualityStats
     eng = demo_llm.engine
     tok = demo_llm.get_tokenizer()

@@ -26,7 +26,7 @@ import httpx
 
 from kvcache.bench.serve import wait_until_serving
 from kvcache.bench.report import write_json
-from kvcache.distributed.host import free_port
+from kvcache.parallel.host import free_port
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

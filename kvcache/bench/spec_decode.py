@@ -66,7 +66,7 @@ def _prompts(llm, workload: str, n: int, offset: int, chars: int) -> list[list[i
         length = min(300, llm.engine.max_model_len // 2)
         special = set(llm.engine.tokenizer.all_special_ids)
         return random_workload(n, (length, length), (1, 1), llm.engine.model.config.vocab_size, offset, special).prompts
-    from kvcache.eval.corpus import load_corpus
+    from kvcache.bench.corpus import load_corpus
     docs = load_corpus()
     tok = llm.engine.tokenizer
     out = []

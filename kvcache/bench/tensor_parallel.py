@@ -20,7 +20,7 @@ import time
 
 from kvcache.bench.report import write_json
 from kvcache.bench.workload import parse_range, random_workload
-from kvcache.distributed.host import usable_cores
+from kvcache.parallel.host import usable_cores
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ KeysFn = Callable[[int, int], torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class HeadShare:
-    """The heads a tensor-parallel rank holds of a model's (distributed/tensor_parallel.py): the state's
+    """The heads a tensor-parallel rank holds of a model's (parallel/sharding.py): the state's
     num_kv_heads KV heads from `first` on, of kv_heads, with q_local of each one's query heads, and `reduce`, an
     in-place sum of a tensor across the ranks. A score that averages over query heads on other ranks too (a KV head replicated on
     several ranks, each with some of its query heads; TOVA's mean over a layer's heads) is summed across ranks

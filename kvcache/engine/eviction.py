@@ -27,6 +27,7 @@ from kvcache.compress.policy import EvictionState, HeadShare
 from kvcache.compress.registry import get_policy
 from kvcache.compress.spec import EvictionSpec
 from kvcache.memory.kv_cache_manager import KVCacheManager
+from kvcache.parallel.errors import RankDiedError
 
 
 @dataclass(slots=True)
@@ -136,7 +137,6 @@ class Evictor:
         same plan, and may wait in its collectives."""
         if self.tp is None:
             return self.apply(work, state, queries)
-        from kvcache.distributed.tensor_parallel import RankDiedError
         try:
             self.apply(work, state, queries)
         except Exception as e:

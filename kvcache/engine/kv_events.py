@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from kvcache.memory.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventLog
 
 log = logging.getLogger("kvcache")
-ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 POLL_S = 0.05  # the longest an event waits while the engine is idle, and a replay request
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # a replay's last message carries it, and an empty payload (vLLM's)
 BUFFER_STEPS = 10_000  # batches kept for replay (vLLM's default)

@@ -17,9 +17,9 @@ import torch
 from kvcache.attention.metadata import SeqChunk
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
-from kvcache.distributed.tensor_parallel import RankDiedError
-from kvcache.engine import scoring
+from kvcache.parallel.errors import RankDiedError
 from kvcache.engine.admission import RequestAdmission
+from kvcache.engine.eviction import seq_chunk
 from kvcache.engine.outputs import CompletionOutput, Request, RequestOutput, request_output
 from kvcache.engine.sampling_step import SamplingStep
 from kvcache.engine.sequence import Sequence
@@ -251,11 +251,64 @@ class LLMEngine(EngineStartup, RequestAdmission, SamplingStep):
                 del self.requests[rid]
         return outs
 
+    @torch.inference_mode()
     def score(self, token_ids: list[int], start: int = 0, chunk_size: int | None = None,
               eviction: EvictionSpec | None = None) -> torch.Tensor:
-        """Teacher-forced logits, row i the next-token distribution after `token_ids[:start + i + 1]` (fp32): see
-        engine/scoring.py. Only while no request is unfinished."""
-        return scoring.score(self, token_ids, start, chunk_size, eviction)
+        """Teacher-forced logits: row i is the next-token distribution after `token_ids[:start + i + 1]`
+        (fp32, [len(token_ids) - start, vocab]).
+
+        The tokens go through the paged KV cache in prefill chunks of `chunk_size` (default
+        max_num_batched_tokens), in the cache's storage format, as a request's prompt does; this is what
+        `kvcache eval` measures quantization with. With `eviction`, `token_ids[:start + 1]` is the prompt:
+        prefilled in chunks and compacted as a request's would be; the other tokens then run one per step,
+        as decodes, so that decode-time policies evict as they go. Only while no request is unfinished; the
+        blocks are freed afterwards and nothing is added to the prefix cache.
+        """
+        if self.requests:
+            raise RuntimeError(f"score needs an idle engine; {len(self.requests)} requests are unfinished")
+        n = len(token_ids)
+        vocab = self.model.config.vocab_size
+        if not 0 < n <= self.max_model_len or not 0 <= start < n:
+            raise ValueError(f"score needs 1..{self.max_model_len:,} tokens and 0 <= start < {n:,}; "
+                             f"got start {start:,}")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"token ids must be ints in [0, {vocab})")
+        chunk = chunk_size or self.config.max_num_batched_tokens
+        if chunk < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk}")
+        state = None
+        if eviction is not None and eviction.enabled:
+            self._check_eviction(eviction)
+            state = self.evictor.new_state(eviction, start + 1, self.config.seed)
+        return self._score_chunks(token_ids, start, chunk, state)
+
+    def _score_chunks(self, token_ids: list[int], start: int, chunk: int, state) -> torch.Tensor:
+        """score's forwards: the tokens in prefill chunks of `chunk` (with an eviction `state`, the prompt in
+        chunks, then one token a step), under a sequence id of its own whose blocks are freed at the end."""
+        n = len(token_ids)
+        seq_id = next(self._seq_ids)
+        try:
+            out, done = [], 0
+            while done < n:
+                if state is None:
+                    e = min(n, done + chunk)
+                else:
+                    e = min(start + 1, done + chunk) if done <= start else done + 1
+                evicted = state.num_evicted if state else 0
+                need = n if state is None else e - evicted  # without eviction, all blocks before any forward
+                if not self.kv.allocate(seq_id, need):
+                    raise ValueError(f"{need:,} tokens need {self.kv.blocks_needed(seq_id, need):,} KV blocks; "
+                                     f"{self.kv.num_free_blocks:,} are free")
+                c = seq_chunk(seq_id, token_ids[done:e], done - evicted, self.kv.block_tables[seq_id], True,
+                              self.kv.private_blocks.get(seq_id, []), state)
+                # a chunk wholly before `start` gets an empty range of logit rows
+                out.append(self.runner.run_chunk(c, range(max(done, start) - done, e - done), state is not None))
+                done = e
+                if state is not None:
+                    self.evictor.after_forward(seq_id, state, c, self.runner.captured, done)
+            return torch.cat(out)
+        finally:
+            self.kv.free(seq_id)
 
     # ---- introspection ------------------------------------------------------------------------
 

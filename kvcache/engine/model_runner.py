@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from kvcache.attention.metadata import ForwardBatch, KiviLayout, SeqChunk, build_batch
-from kvcache.distributed.tensor_parallel import RankDiedError
+from kvcache.parallel.errors import RankDiedError
 from kvcache.engine import prompt_logprobs
 from kvcache.engine.eviction import seq_chunk
 from kvcache.engine.sequence import Sequence
@@ -47,7 +47,7 @@ class ModelRunner:
         self.kivi = None
         self.captured: list[torch.Tensor] = []
         self.graphs = None  # engine/cuda_graphs.py's DecodeGraphs once captured: pure-decode steps replay them
-        self.tp = None  # distributed/tensor_parallel.py's TensorParallel on rank 0: each forward is broadcast first
+        self.tp = None  # parallel/group.py's TensorParallel on rank 0: each forward is broadcast first
         if store.kivi_group:
             self.kivi = KiviLayout(store.kivi_group, store.num_kv_heads * store.head_dim, store.row_elems)
 

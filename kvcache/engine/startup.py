@@ -16,8 +16,6 @@ from kvcache.native import host_memory
 from kvcache.attention.backend import resolve_backend, with_backend_write
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
-from kvcache.distributed.tensor_parallel import (MirroredStore, TensorParallel, build_shard, check_tensor_parallel,
-                                                 head_share, serve_as_launched_worker)
 from kvcache.engine.cuda_graphs import DecodeGraphPlan
 from kvcache.engine.draft import DraftProposer, read_draft
 from kvcache.engine.eviction import Evictor
@@ -29,6 +27,7 @@ from kvcache.engine.sizing import (kv_capacity, layer_groups_for, peak_blocks, r
                                    slow_half_precision, why_every_block_is_kept)
 from kvcache.engine.stats import EngineStats
 from kvcache.engine.stop_checker import StopChecker
+from kvcache.engine.tp_worker import serve_as_launched_worker
 from kvcache.memory.kv_cache_manager import KVCacheManager
 from kvcache.memory.kv_events import KVEventLog
 from kvcache.memory.layer_groups import GroupedKVCacheManager
@@ -36,6 +35,8 @@ from kvcache.messages import describe
 from kvcache.models.llama import layer_windows
 from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
 from kvcache.offload.offloader import make_offloader, offload_tiers
+from kvcache.parallel.group import MirroredStore, TensorParallel
+from kvcache.parallel.sharding import build_shard, check_tensor_parallel, head_share
 from kvcache.plan.kv_bytes import KV_DTYPES, check_kv_format, kv_formula, pool_tokens
 from kvcache.plan.report import human
 from kvcache.plan.shape import shape_from_config

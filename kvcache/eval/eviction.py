@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from kvcache.eval.corpus import PASSKEY_QUESTION, document_windows, load_corpus, passkey_keys, passkey_prompt
+from kvcache.bench.corpus import PASSKEY_QUESTION, document_windows, load_corpus, passkey_keys, passkey_prompt
 from kvcache.eval.kv_quality import (QualityStats, _fmt, add_text_args, build_engine, chat_wrap, check_positive,
                                      compare_scores, greedy_outputs, parse_depths, pool_bytes, ppl_delta_pct)
 

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcache.eval.corpus import (PASSKEY_ANSWER, document_windows, load_corpus, passkey_keys, passkey_prompt,
+from kvcache.bench.corpus import (PASSKEY_ANSWER, document_windows, load_corpus, passkey_keys, passkey_prompt,
                                  plain_prompt)
 
 BASELINE = "float32"

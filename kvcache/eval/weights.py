@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcache.bench.report import write_json
     from kvcache.config import EngineConfig
     from kvcache.engine.llm_engine import LLMEngine
-    from kvcache.eval.corpus import document_windows, load_corpus
+    from kvcache.bench.corpus import document_windows, load_corpus
     from kvcache.models.loader import read_checkpoint
     variants = _variants(args.variants)
     loaded = read_checkpoint(args.model)

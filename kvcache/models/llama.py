@@ -238,7 +238,7 @@ class DecoderLayer(nn.Module):
         self.kernels = None  # the C++ CPU kernels (cpu_kernels.py) when computing in float32 on the CPU
         self.fused: list[list[torch.Tensor]] | None = None  # the linears' tensors for the fused path
         self.fused_any_rows = False  # whether the fused path takes steps above FUSED_MAX_ROWS (fuse)
-        self.tp = None  # tensor parallelism (distributed/tensor_parallel.py): all-reduces o_proj's and down's outputs
+        self.tp = None  # tensor parallelism (parallel/sharding.py): all-reduces o_proj's and down's outputs
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -320,7 +320,7 @@ def _decode(tokenizer, ids: list) -> str:
 def chat_prompt(tokenizer, messages, add_generation_prompt: bool) -> str:
     """The text a chat request's messages become through the model's chat template (tokenized without special
     tokens: the template writes them); APIError 400 where there is no template or it rejects the messages. The
-    replicas' router keys requests by it too (distributed/kv_index.py)."""
+    replicas' router keys requests by it too (router/kv_index.py)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
     convo = [{"role": m.role, "content": m.text()} for m in messages]

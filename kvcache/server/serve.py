@@ -71,13 +71,6 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
 
     if args.served_model:
         config.model = args.served_model
-    if args.replicas != 1:
-        if not 0 < args.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {args.port}")
-        from kvcache.distributed.replicas import serve_replicas
-        return serve_replicas(args, config)
-    if args.served_model:
-        config.model = args.served_model
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     app, loop = create(config, args.served_model_name, args.api_key or None, args.max_waiting_requests,

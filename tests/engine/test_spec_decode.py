@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
 from kvcache.memory.kv_cache_manager import blocks_for
-from kvcache.engine.spec_decode import SpeculativeConfig, ngram_propose
+from kvcache.config import SpeculativeConfig
+from kvcache.engine.spec_decode import ngram_propose
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 

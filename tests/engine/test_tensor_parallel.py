@@ -128,8 +128,8 @@ def test_what_tensor_parallelism_cannot_take_is_refused_with_the_numbers(tiny_mo
     from transformers import LlamaConfig
 
     from kvcache.config import EngineConfig
-    from kvcache.distributed.replicas import serve_replicas
-    from kvcache.distributed.tensor_parallel import check_tensor_parallel
+    from kvcache.router.replicas import serve_replicas
+    from kvcache.parallel.sharding import check_tensor_parallel
     path = tiny_model_dirs["llama"]
     with pytest.raises(ValueError, match="cannot be combined with the KV offload tiers and preemption_mode swap yet"):
         LLM(path, tensor_parallel_size=2, preemption_mode="swap", kv_offload_memory="1MiB", **KW)

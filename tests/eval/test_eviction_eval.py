@@ -11,7 +11,7 @@ from kvcache.cli import main
 from kvcache.compress.pyramidkv import layer_budgets
 from kvcache.compress.spec import EvictionSpec
 from kvcache.engine.sampling_params import SamplingParams
-from kvcache.eval.corpus import (PASSKEY_ANSWER, PASSKEY_FILLER, PASSKEY_QUESTION, passkey_prompt,
+from kvcache.bench.corpus import (PASSKEY_ANSWER, PASSKEY_FILLER, PASSKEY_QUESTION, passkey_prompt,
                                  passkey_sentence)
 from kvcache.eval.eviction import (SplitTrial, answer_tokens, check_budgets, evaluate_passkey, evaluate_quality,
                                    held_tokens, measure_throughput, parse_budgets, parse_policies, random_prompts,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvcache.cli import main
-from kvcache.eval.corpus import (CORPUS_FILE, PASSKEY_FILLER, PASSKEY_QUESTION, Document, document_windows,
+from kvcache.bench.corpus import (CORPUS_FILE, PASSKEY_FILLER, PASSKEY_QUESTION, Document, document_windows,
                                  load_corpus, passkey_keys, passkey_prompt, passkey_sentence)
 from kvcache.eval.kv_quality import (QualityStats, build_engine, evaluate_quality, measure_capacity, passkey_trials,
                                      pool_bytes, ppl_delta_pct, token_metrics)
@@ -87,7 +87,7 @@ def test_baseline_against_itself_and_a_quantized_cache(tiny_loaded):
 
 def test_shipped_corpus_is_modest_prose_in_documents():
     from importlib import resources
-    data = resources.files("kvcache.eval").joinpath("data", CORPUS_FILE)
+    data = resources.files("kvcache.bench").joinpath("data", CORPUS_FILE)
     assert len(data.read_bytes()) <= 200_000
     docs = load_corpus()
     assert len(docs) >= 6

@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from kvcache.bench.replicas import start_replicas, stop_replicas
-from kvcache.distributed.kv_index import EngineKeys, EventSubscriber, decode_batch
-from kvcache.distributed.replicas import PrefixRouter, prefix_keys, relabel, relay
+from kvcache.router.kv_index import EngineKeys, EventSubscriber, decode_batch
+from kvcache.router.replicas import PrefixRouter, prefix_keys, relabel, relay
 from kvcache.engine.kv_events import encode_event
 from kvcache.memory.block_hash import chain_hashes
 from kvcache.memory.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
@@ -295,7 +295,7 @@ def _thread_cpu(tid: int) -> float:
 
 
 def test_a_replay_that_never_answers_is_given_up_and_later_gaps_reach_the_router(tmp_path, monkeypatch, caplog):
-    import kvcache.distributed.kv_index as kv_index
+    import kvcache.router.kv_index as kv_index
     monkeypatch.setattr(kv_index, "REPLAY_TIMEOUT_S", 0.5)
     fake, sub = FakePublisher(tmp_path), EventSubscriber()
     try:
@@ -363,7 +363,7 @@ def test_replicas_refuse_one_kv_events_endpoint_for_all(tiny_llama):
     from types import SimpleNamespace
 
     from kvcache.config import EngineConfig
-    from kvcache.distributed.replicas import serve_replicas
+    from kvcache.router.replicas import serve_replicas
     with pytest.raises(ValueError, match=r"--kv-events-endpoint tcp://\*:5557 with --replicas 2: each replica"):
         serve_replicas(SimpleNamespace(replicas=2), EngineConfig(model=tiny_llama, kv_events_endpoint="tcp://*:5557"))
 

@@ -45,8 +45,8 @@ import httpx
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the routes' annotations here
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvcache.distributed.host import free_port, usable_cores
-from kvcache.distributed.kv_index import EngineKeys, EventSubscriber
+from kvcache.parallel.host import free_port, usable_cores
+from kvcache.router.kv_index import EngineKeys, EventSubscriber
 from kvcache.memory.kv_events import MEDIUM_POOL
 
 log = logging.getLogger("kvcache")

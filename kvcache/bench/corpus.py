@@ -1,11 +1,12 @@
-"""The texts `kvcache eval kv-quality` reads: a shipped English prose corpus and synthetic passkey prompts.
+"""The texts `kvcache eval kv-quality` and `kvcache bench spec-decode` read: a shipped English prose corpus and
+synthetic passkey prompts.
 
 The corpus, data/stdlib_docstrings.txt, is the documentation strings of a few CPython 3.11.7 standard
 library modules (logging, email, doctest, pdb, ...), grouped into documents by topic: English prose
 written by the Python developers, under the PSF License Agreement (Copyright (c) 2001-2023 Python
 Software Foundation; All Rights Reserved), which permits redistributing it. Only prose paragraphs were
 kept: doctest examples, indented code and lists, and paragraphs of fewer than 12 words were dropped.
-It was generated once with `python -m kvcache.eval.corpus --regenerate` and is shipped as it is, so
+It was generated once with `python -m kvcache.bench.corpus --regenerate` and is shipped as it is, so
 that results do not depend on the Python version that runs the evaluation (docstrings change between
 releases). Each of its 8 documents is 3,200 to 4,100 tokens long with the demo model's tokenizer.
 
@@ -48,7 +49,7 @@ def load_corpus(path: str | None = None) -> list[Document]:
     """The documents of the shipped corpus (or of `path`, in the same format: `=== title ===` lines
     start documents, the text follows)."""
     if path is None:
-        text = resources.files("kvcache.eval").joinpath("data", CORPUS_FILE).read_text(encoding="utf-8")
+        text = resources.files("kvcache.bench").joinpath("data", CORPUS_FILE).read_text(encoding="utf-8")
     else:
         with open(path, encoding="utf-8") as f:
             text = f.read()
