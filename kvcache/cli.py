@@ -9,81 +9,107 @@ import sys
 from dataclasses import fields
 
 from kvcache.compress.spec import POLICIES
-from kvcache.config import WEIGHT_QUANTIZATIONS, EngineConfig
+from kvcache.config import WEIGHT_QUANTIZATIONS, EngineConfig, parse_bytes
+from kvcache.plan.cli import add_commands as add_plan_commands
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, one per EngineConfig field, with vLLM's names."""
-    p.add_argument("--model", default=None, help="Hugging Face model directory or GGUF file (default: SmolLM2-135M demo)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16; 64 for int4/int2)")
-    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory or GGUF file (default: the SmolLM2-135M demo model)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 16; 64 for the int4/int2 KV cache)")
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                   help="requests (sequences) in one engine step at most (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="tokens in one engine step at most, prefill chunks and decodes together "
+                        "(default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens of one request at most, prompt and output together (default: the model's context "
+                        "length, max_position_embeddings, else 2048)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB, 500MB, or 25%% (of the GPU's "
-                   "memory on CUDA, of available RAM on CPU). Default: on CUDA, what --gpu-memory-utilization leaves after "
-                   "the weights and a profiled forward; on CPU 2GiB, at most half of the RAM available after the weights")
+                   "memory on CUDA, of available RAM on CPU). Default: on CUDA, what --gpu-memory-utilization "
+                   "leaves after the weights and a profiled forward; on CPU 2GiB, at most half of the RAM available "
+                   "after the weights")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="CUDA: share of the device's memory for weights, activations and the KV cache (default 0.9)")
-    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+                   help="CUDA: share of the device's memory, a fraction in (0, 1], for weights, activations and the "
+                        "KV cache (default: %(default)s)")
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="prefill each prompt in one step, refusing prompts over --max-num-batched-tokens, instead of "
+                        "in chunks spread over steps beside the decodes (default: chunked prefill on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV of equal prompt prefixes between requests (default: on)")
     p.add_argument("--prefix-caching-algo", default="hash", choices=["hash", "radix"],
-                   help="hash: vLLM's hash-chained blocks; radix: SGLang's radix tree")
+                   help="hash: vLLM's hash-chained blocks; radix: SGLang's radix tree (default: %(default)s)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
-                   help="fcfs, or lpm: longest cached prefix first (FCFS above 128 waiting)")
+                   help="fcfs, or lpm: longest cached prefix first (FCFS above 128 waiting) (default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="compute and weight dtype: auto (float32 on CPU, bfloat16 on CUDA), "
-                   "float32, bfloat16, float16 (aliases fp32, bf16, fp16, half)")
+                   "float32, bfloat16, float16 (aliases fp32, bf16, fp16, half) (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache storage: auto (the compute dtype), float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, "
-                        "int8, int4, int2 (fp8/int8 with a scale per token and head; int4/int2 KIVI)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+                        "int8, int4, int2 (fp8/int8 with a scale per token and head; int4/int2 KIVI) "
+                        "(default: %(default)s)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs; auto: the KVCACHE_DEVICE environment variable if set, else CUDA where "
+                        "torch sees a GPU, else the CPU (default: %(default)s)")
     p.add_argument("--quantization", default="none", choices=list(WEIGHT_QUANTIZATIONS),
                    help="weights: " + "; ".join(f"{k}: {v}" for k, v in WEIGHT_QUANTIZATIONS.items()) +
-                        " (the quantized formats run on the CPU: a quarter, or a sixth, of float32's bytes per step)")
+                        " (the quantized formats run on the CPU: a quarter, or a sixth, of float32's bytes per step) "
+                        "(default: %(default)s)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch", "cpu"],
                    help="auto: triton kernels on CUDA, the C++ decode kernel on CPU, where they can run; torch: the "
-                        "portable PyTorch path")
-    p.add_argument("--seed", type=int, default=0)
+                        "portable PyTorch path; cpu: the C++ decode kernel (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the engine's seed, not the sampler's: it seeds --kv-eviction random's choice of tokens for "
+                        "requests that have no sampling seed (bench throughput: also its random prompts); token "
+                        "sampling is seeded by --sample-seed (default: %(default)s)")
     p.add_argument("--kv-eviction", default="none", choices=list(POLICIES),
                    help="token eviction policy: streaming (StreamingLLM), h2o, snapkv, tova, pyramidkv, random; "
-                        "compacted tokens' blocks go back to the pool (default none)")
+                        "compacted tokens' blocks go back to the pool (default: %(default)s)")
     p.add_argument("--kv-budget", default=None,
                    help="KV tokens a request keeps under --kv-eviction: tokens (512), or a ratio of its prompt "
-                        "(0.25 or 25%%)")
+                        "(0.25 or 25%%); needed with a policy (default: none)")
     p.add_argument("--kv-offload-memory", default=None,
-                   help="keep prefix blocks beyond the pool in this much host memory, e.g. 8GiB (the cpu tier)")
+                   help="keep prefix blocks beyond the pool in this much host memory, e.g. 8GiB (the cpu tier; "
+                        "default: no cpu tier)")
     p.add_argument("--kv-offload-dir", default=None,
-                   help="keep prefix blocks in this directory too (the disk tier; processes may share it)")
-    p.add_argument("--kv-offload-disk-size", default=None, help="the disk tier's size (default 10GiB)")
+                   help="keep prefix blocks in this directory too (the disk tier; processes may share it; default: no "
+                        "disk tier)")
+    p.add_argument("--kv-offload-disk-size", default=None, help="the disk tier's size in bytes, e.g. 10GiB "
+                   "(default: 10GiB)")
     p.add_argument("--kv-remote", default=None, help="a Redis or Valkey server, redis://host:port/db, shared by "
-                   "every engine that uses it (the redis tier, below cpu and disk)")
-    p.add_argument("--kv-remote-timeout", type=float, default=0.5, help="seconds for each call to --kv-remote")
+                   "every engine that uses it (the redis tier, below cpu and disk; default: none)")
+    p.add_argument("--kv-remote-timeout", type=float, default=0.5,
+                   help="seconds for each call to --kv-remote (default: %(default)s)")
     p.add_argument("--kv-events-endpoint", default=None,
                    help="publish KV cache events (vLLM's BlockStored/BlockRemoved/AllBlocksCleared, msgpack over "
-                        "ZeroMQ PUB) for KV-aware routers: tcp://*:5557 binds; tcp://host:port connects")
+                        "ZeroMQ PUB) for KV-aware routers: tcp://*:5557 binds; tcp://host:port connects "
+                        "(default: no events)")
     p.add_argument("--kv-events-topic", default="", help="the ZeroMQ topic of the KV events (default: none)")
     p.add_argument("--kv-events-replay-endpoint", default=None,
                    help="bind a ZeroMQ ROUTER here (tcp://*:5558, ipc://path) that replays the KV event batches a "
-                        "subscriber missed (vLLM's replay_endpoint: send [b'', start_seq as 8 bytes])")
+                        "subscriber missed (vLLM's replay_endpoint: send [b'', start_seq as 8 bytes]; default: none)")
     p.add_argument("--kv-events-buffer-steps", type=int, default=10_000,
-                   help="KV event batches kept for replay (default 10000)")
+                   help="KV event batches kept for replay (default: %(default)s)")
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, vLLM\'s fields: \'{"method": "ngram", "num_speculative_tokens": '
                         '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": '
-                        'PATH, "num_speculative_tokens": 4, "quantization": "int4"}\' (see README)')
+                        'PATH, "num_speculative_tokens": 4, "quantization": "int4"}\' (see docs/spec-decode.md; '
+                        'default: off)')
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="models mixing full and sliding-window layers (Gemma-2/3): one block table of every layer, "
                         "every block kept, instead of a table per layer group whose sliding groups give blocks back")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks (processes the engine starts: gloo on CPU, a core "
-                        "each; NCCL on GPUs), KV heads split across them (see README, Tensor parallelism)")
+                        "each; NCCL on GPUs), KV heads split across them (see docs/parallelism.md) "
+                        "(default: %(default)s)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eager instead of replaying the decode steps' CUDA graphs captured at "
                         "start-up (batch sizes 1, 2, 4, 8, then every 8 up to --max-num-seqs)")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="recompute: a preempted request's KV is freed and prefilled again when it resumes; swap: it "
                         "goes to the cpu tier (--kv-offload-memory), else the disk tier, and comes back (recompute "
-                        "when the tier is full)")
+                        "when the tier is full) (default: %(default)s)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -91,17 +117,37 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    """Sampling flags, one per SamplingParams field they set; the same for every prompt of the command."""
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="output tokens to generate at most per request (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="logits are divided by it before sampling, in [0, 2]; 0 is greedy, argmax "
+                        "(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the fewest most likely tokens whose probabilities sum to at least "
+                        "this, in (0, 1] (default: %(default)s, off)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="keep the k most likely tokens; 0 or -1: all (default: %(default)s)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this fraction of the most likely one's probability, in [0, 1] "
+                        "(default: %(default)s, off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides the positive logits (multiplies the negative ones) of tokens already in the prompt "
+                        "or output; above 1 discourages them (default: %(default)s, off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="logit units subtracted once from every token already in the output, in [-2, 2] "
+                        "(default: %(default)s)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="logit units subtracted from a token's logit per time it is in the output, in [-2, 2] "
+                        "(default: %(default)s)")
+    p.add_argument("--sample-seed", type=int, default=None,
+                   help="the sampler's seed: each request samples from a generator of its own seeded with it, so "
+                        "its tokens at --temperature above 0 are the same from run to run whatever else is in the "
+                        "batch; it also takes --seed's place for --kv-eviction random (default: none: sampling draws "
+                        "from torch's global generator, which --seed does not seed)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string, left out of the output (repeatable; default: none)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def sampling_params(args: argparse.Namespace):
@@ -120,18 +166,21 @@ def print_kv_summary(engine, out=None) -> None:
     st = engine.stats
     print("\n--- KV cache ---", file=out)
     print(f"per token : {info['formula']}", file=out)
-    print(f"pool      : {pool_tokens(info['num_blocks'], info['block_size'], info['layers_per_block'], info['kv_layers'])}, "
+    pool = pool_tokens(info['num_blocks'], info['block_size'], info['layers_per_block'], info['kv_layers'])
+    print(f"pool      : {pool}, "
           f"{human(info['total_bytes'])} ({info['dtype']})", file=out)
     if info["seq_blocks"]:
         print(f"residual  : {info['residual_bytes_per_seq']:,} bytes of fp16 keys per request (their 64-token group "
               f"is not complete yet), held in {info['seq_blocks']} pool blocks per request", file=out)
-    print(f"capacity  : {info['max_concurrency']:.1f} requests of max_model_len {info['max_model_len']:,} tokens", file=out)
+    print(f"capacity  : {info['max_concurrency']:.1f} requests of max_model_len {info['max_model_len']:,} tokens",
+          file=out)
     peak = st.peak_used_blocks
     print(f"this run  : {st.prompt_tokens:,} prompt + {st.generation_tokens:,} generated tokens; peak "
           f"{peak:,} blocks = {peak * info['block_size'] * info['bytes_per_token'] / 2**20:.2f} MiB in use; "
           f"{info['num_preemptions']} preemptions; {info['used_blocks']} blocks held now", file=out)
     if info["prefix_caching"]:
-        print(f"prefix    : {info['prefix_caching']}; {info['prefix_cache_hits']:,} of {info['prefix_cache_queries']:,} "
+        print(f"prefix    : {info['prefix_caching']}; {info['prefix_cache_hits']:,} of "
+              f"{info['prefix_cache_queries']:,} "
               f"prompt tokens found cached ({info['prefix_cache_hit_rate']:.0%}); {info['cached_blocks']:,} blocks "
               f"cached, {info['prefix_cache_evictions']:,} evicted", file=out)
     if info["kv_eviction"] != "none" or info["evicted_tokens"]:
@@ -149,8 +198,9 @@ def print_kv_summary(engine, out=None) -> None:
         print(f"offload   : {o['loaded_blocks']:,} blocks loaded into the pool instead of recomputed, in "
               f"{o['load_seconds'] * 1e3:.1f} ms", file=out)
     if info["preemption_mode"] == "swap":
-        print(f"swap      : {info['num_swapped_out']:,} preemptions swapped out to the {info['offload']['swap_tier']} tier, "
-              f"{info['num_swapped_in']:,} resumed from it, {info['num_swap_fallbacks']:,} recomputed instead", file=out)
+        print(f"swap      : {info['num_swapped_out']:,} preemptions swapped out to the {info['offload']['swap_tier']} "
+              f"tier, {info['num_swapped_in']:,} resumed from it, {info['num_swap_fallbacks']:,} recomputed instead",
+              file=out)
     if info["kv_events"]:
         e = info["kv_events"]
         print(f"kv events : {e['published_events']:,} events in {e['published_batches']:,} batches to {e['endpoint']}"
@@ -158,7 +208,8 @@ def print_kv_summary(engine, out=None) -> None:
               + (f"; {e['replays']} replays answered at {e['replay_endpoint']}" if e["replay_endpoint"] else ""),
               file=out)
     if info["speculative_config"]:
-        drafts, proposed, accepted = (info[f"spec_decode_num_{k}"] for k in ("drafts", "draft_tokens", "accepted_tokens"))
+        drafts, proposed, accepted = (info[f"spec_decode_num_{k}"]
+                                      for k in ("drafts", "draft_tokens", "accepted_tokens"))
         from kvcache.engine.spec_decode import mean_acceptance_length
         mean = mean_acceptance_length(drafts, accepted)
         print(f"speculate : {drafts:,} proposals of {proposed:,} tokens, {accepted:,} accepted "
@@ -250,195 +301,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="preset name (see --list), config.json, Hugging Face model directory or GGUF file "
-                        "(default: the SmolLM2-135M demo model)")
-    p.add_argument("--list", action="store_true", help="list the model and GPU presets")
-    p.add_argument("--batch", type=int, default=1, help="concurrent requests (B)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per request (L); default: the model's context")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the weights' dtype, --dtype; bfloat16 for float32 checkpoints), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8, int4, int2")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="print JSON instead of text, or write it to PATH")
-    p.add_argument("--gpu", default=None, help="GPU preset (see --list)")
-    p.add_argument("--memory", default=None, help="device memory per GPU, e.g. 80GB, 24GiB")
-    p.add_argument("--kv-cache-memory", default=None, help="KV budget per GPU given directly (skips weights and "
-                   "activations), as kvcache's engine takes it")
-    p.add_argument("--num-gpus", type=int, default=1)
-    p.add_argument("--tensor-parallel-size", type=int, default=None, help="default: --num-gpus")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--dtype", default="auto", help="weight dtype: auto, float32, bfloat16, float16, fp8, int8, int4")
-    p.add_argument("--num-parameters", type=float, default=None, help="override the parameter count")
-    p.add_argument("--activation-reserve", default=None, help="bytes per GPU kept for activations (default: estimate)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per block (default 16; 64 for int4/int2)")
-    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from kvcache.config import parse_bytes
-    from kvcache.plan.capacity import plan_device, weight_dtype
-    from kvcache.plan.kv_bytes import check_latent_format, default_block_size, heads_per_gpu
-    from kvcache.plan.model_source import demo_model_path, load_model_shape
-    from kvcache.plan.presets import GPU_PRESETS, MODEL_PRESETS
-    from kvcache.plan.report import build_report, format_report, human
-
-    if args.list:
-        print("models:")
-        for name, (repo, params, _) in MODEL_PRESETS.items():
-            print(f"  {name:<20} {params / 1e9:>7.2f}B  {repo}")
-        print("gpus:")
-        for name, mem in GPU_PRESETS.items():
-            print(f"  {name:<20} {mem:>18,} bytes ({human(mem)})")
-        return 0
-    for name in ("batch", "seq_len", "num_gpus", "tensor_parallel_size", "block_size", "max_num_seqs",
-                 "max_num_batched_tokens", "num_parameters"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v:g}")
-    if args.gpu is not None and args.gpu not in GPU_PRESETS:
-        raise ValueError(f"unknown GPU {args.gpu!r}; presets: {', '.join(GPU_PRESETS)} (or give --memory BYTES)")
-    if args.gpu is not None and args.memory is not None:
-        raise ValueError(f"give one of --gpu ({args.gpu}: {GPU_PRESETS[args.gpu]:,} bytes) and --memory "
-                         f"({args.memory}), not both")
-    shape = load_model_shape(args.model or demo_model_path())
-    if args.num_parameters is not None:
-        shape = dataclasses.replace(shape, num_parameters=int(args.num_parameters))
-    if args.kv_cache_dtype != "auto":
-        kv = args.kv_cache_dtype
-    else:  # the compute dtype: float weights' own, else (fp8, int8, int4 weights) the checkpoint's float dtype
-        kv = weight_dtype(args.dtype if args.dtype in ("float32", "bfloat16", "float16") else "auto", shape)
-    if shape.attention_kind == "MLA":
-        check_latent_format(kv)  # as the engine refuses it
-    block_size = args.block_size or default_block_size(kv)
-    seq_len = args.seq_len or shape.max_position_embeddings or 4096
-    tp = args.tensor_parallel_size or args.num_gpus
-    heads_per_gpu(shape.num_kv_heads, tp)  # a tensor-parallel size that cannot split the KV heads is refused
-    device = None
-    memory = GPU_PRESETS[args.gpu] if args.gpu else (parse_bytes(args.memory) if args.memory else None)
-    if memory is not None or args.kv_cache_memory is not None:
-        device = plan_device(
-            shape, kv, memory_per_gpu=memory,
-            # a share is of the GPU's memory when one is named, as the engine takes it on CUDA
-            kv_cache_memory=parse_bytes(args.kv_cache_memory, of=memory) if args.kv_cache_memory else None,
-            num_gpus=args.num_gpus, tensor_parallel_size=tp, gpu_memory_utilization=args.gpu_memory_utilization,
-            weights=args.dtype, activation_bytes=parse_bytes(args.activation_reserve, allow_zero=True) if args.activation_reserve else None,
-            block_size=block_size, seq_len=seq_len, batch=args.batch, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens)
-    report = build_report(shape, kv, args.batch, seq_len, device)
-    _emit(report, format_report(report), args.json)
-    return 0
-
-
-def _make_parent(path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-
-def _emit(data: dict, text: str, json_path: str | None) -> None:
-    """Print the text, or the JSON with `--json`; `--json PATH` writes the JSON there and prints the text."""
-    import json
-
-    if json_path == "-":
-        print(json.dumps(data, indent=2))
-        return
-    print(text)
-    if json_path:
-        _make_parent(json_path)
-        with open(json_path, "w") as f:
-            json.dump(data, f, indent=2)
-        print(f"wrote {json_path}")
-
-
-def add_simulate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=None, help="JSONL trace: {arrival_s, prompt_tokens, output_tokens"
-                   "[, prefix_group, prefix_tokens]} per line (default: a synthetic trace)")
-    p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (default: all at once)")
-    p.add_argument("--prompt-len", default="sharegpt", help="uniform:LO:HI, normal:MEAN:STD, sharegpt, or a fixed N")
-    p.add_argument("--output-len", default="sharegpt", help="same forms as --prompt-len")
-    p.add_argument("--prefix-groups", type=int, default=0, help="groups of requests sharing a prefix")
-    p.add_argument("--prefix-len", type=int, default=0, help="tokens of the shared prefix (also for --trace files "
-                   "whose lines have prefix_group but no prefix_tokens)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-trace", default=None, help="write the trace used as JSONL")
-    p.add_argument("--model", default="llama-3-8b", help="model whose bytes/token turn token slots into bytes")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--kv-cache-memory", default=None, help="the KV pool, e.g. 4GiB, 80GB (default 4GiB; "
-                   "80GiB for --scenario seed)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="what reserve-max reserves per request")
-    p.add_argument("--block-sizes", default="1,16,64,256", help="paged allocators to run")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--step-ms", type=float, default=20.0, help="duration of one decode iteration")
-    p.add_argument("--scenario", choices=["seed"], default=None,
-                   help="seed: 3, 2.3 and 4.5 GiB requests, free the 2.3, then ask for 7.5 GiB")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="print JSON instead of the table, or write it to PATH")
-    p.add_argument("--plot", default=None, metavar="PNG", help="draw utilization over time for every allocator")
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from kvcache.config import parse_bytes
-    from kvcache.plan.capacity import weight_dtype
-    from kvcache.plan.kv_bytes import kv_bytes_per_token
-    from kvcache.plan.model_source import load_model_shape
-    from kvcache.plan.simulate import compare, format_table, plot, seed_scenario
-    from kvcache.plan.trace import load_trace, save_trace, synthetic_trace
-
-    shape = load_model_shape(args.model)
-    kv = weight_dtype("auto", shape) if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    per_token = kv_bytes_per_token(shape, kv)
-    if args.scenario == "seed":
-        s = seed_scenario(parse_bytes(args.kv_cache_memory or "80GiB") / 2**30, bytes_per_token=per_token)
-        _emit(dataclasses.asdict(s), s.explanation, args.json)
-        return 0
-    for name in ("num_requests", "max_model_len", "max_num_seqs"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    try:
-        block_sizes = tuple(int(b) for b in args.block_sizes.split(","))
-    except ValueError:
-        block_sizes = ()
-    if not block_sizes or min(block_sizes) < 1:
-        raise ValueError(f"--block-sizes takes positive integers separated by commas, got {args.block_sizes!r}")
-    if args.trace:
-        trace = load_trace(args.trace)
-        if args.prefix_len:
-            trace = [dataclasses.replace(r, prefix_tokens=min(r.prompt_tokens, args.prefix_len))
-                     if r.prefix_group is not None and not r.prefix_tokens else r for r in trace]
-    else:
-        trace = synthetic_trace(args.num_requests, seed=args.seed, rate=args.rate, prompt=args.prompt_len,
-                                output=args.output_len, max_model_len=args.max_model_len,
-                                prefix_groups=args.prefix_groups, prefix_len=args.prefix_len)
-    if args.save_trace:
-        save_trace(trace, args.save_trace)
-    pool_tokens = parse_bytes(args.kv_cache_memory or "4GiB") // per_token
-    if pool_tokens < max(block_sizes, default=1):
-        raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} holds {pool_tokens:,} tokens of {per_token:,} bytes: "
-                         f"not one block of {max(block_sizes)} tokens")
-    sharing = any(r.prefix_group is not None and r.prefix_tokens for r in trace)
-    results = compare(trace, pool_tokens, block_sizes=block_sizes, max_model_len=args.max_model_len,
-                      step_s=args.step_ms / 1000, max_num_seqs=args.max_num_seqs, prefix_sharing=sharing)
-    if args.plot:
-        _make_parent(args.plot)
-        plot(results, args.plot)
-    n_prompt = sum(r.prompt_tokens for r in trace)
-    n_out = sum(r.output_tokens for r in trace)
-    head = (f"trace: {len(trace):,} requests, {n_prompt:,} prompt + {n_out:,} output tokens"
-            f" ({args.trace or 'synthetic, seed %d' % args.seed}); {shape.name}, {kv}: {per_token:,} bytes/token")
-    data = {"trace": {"requests": len(trace), "prompt_tokens": n_prompt, "output_tokens": n_out,
-                      "source": args.trace or "synthetic"},
-            "model": shape.name, "kv_cache_dtype": kv, "bytes_per_token": per_token, "pool_tokens": pool_tokens,
-            "pool_bytes": pool_tokens * per_token, "allocators": {r.name: r.to_json() for r in results}}
-    _emit(data, head + "\n" + format_table(results, per_token) + (f"\nwrote {args.plot}" if args.plot else ""),
-          args.json)
-    return 0
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas != 1:  # Ray Serve replicas behind a router: the router's layer starts them
         if not 0 < args.port < 65536:
@@ -467,10 +329,8 @@ def _command(sub, name: str, help: str, module: str, engine_args: bool = False) 
     p.set_defaults(func=mod.run)
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("transformers", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+def build_parser() -> argparse.ArgumentParser:
+    """The `kvcache` parser with every subcommand, each with its handler as `func`."""
     parser = argparse.ArgumentParser(prog="kvcache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -484,17 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("chat", help="interactive chat with streamed tokens")
     add_engine_args(c)
     add_sampling_args(c)
-    c.add_argument("--system", default=None, help="system prompt")
-    c.add_argument("--message", default=None, help="answer this one message and exit")
+    c.add_argument("--system", default=None, help="system prompt (default: none)")
+    c.add_argument("--message", default=None,
+                   help="answer this one message and exit (default: read messages from the terminal)")
     c.set_defaults(func=cmd_chat)
 
-    pl = sub.add_parser("plan", help="KV bytes per token, cache size and capacity for a model (no torch)")
-    add_plan_args(pl)
-    pl.set_defaults(func=cmd_plan)
-
-    sm = sub.add_parser("simulate", help="replay a request trace through KV allocators and measure the waste")
-    add_simulate_args(sm)
-    sm.set_defaults(func=cmd_simulate)
+    add_plan_commands(sub, parse_bytes)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
     add_engine_args(sv)
@@ -536,8 +391,14 @@ def main(argv: list[str] | None = None) -> int:
              "compute dtype against float32", "kvcache.eval.weights")
     _command(evsub, "eviction", "KL, top-1, perplexity, passkey retrieval, memory and throughput of each KV eviction "
              "policy and budget against the full cache", "kvcache.eval.eviction")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into `head`: stop quietly, as other command-line tools do

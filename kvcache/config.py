@@ -129,13 +129,22 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        """Normalize the fields (aliases, byte sizes) and refuse, with the field and its value, what cannot run."""
+        self._check_kv_format()
+        self._check_compute()
+        self._check_tiers()
+        self._check_replay()
+        self._check_speculation_and_ranks()
+
+    def _check_kv_format(self) -> None:
+        """kv_cache_dtype (its aliases resolved), block_size (its default for the format) and the scheduler's sizes."""
         if self.kv_cache_dtype != "auto":
             try:
                 self.kv_cache_dtype = kv_dtype(self.kv_cache_dtype).name
             except ValueError:
                 raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, "
                                  f"{', '.join(KV_DTYPES)} (aliases fp32, fp16, bf16, fp8)") from None
-        group = KV_DTYPES[self.kv_cache_dtype].group if self.kv_cache_dtype != "auto" else 0
+        group = self.kv_group
         if self.block_size is None:
             self.block_size = default_block_size(self.kv_cache_dtype if group else "float32")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -147,6 +156,14 @@ class EngineConfig:
         if group and self.block_size % group:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} quantizes keys in groups of {group} tokens, each "
                              f"inside one block: block_size must be a multiple of {group}, got {self.block_size}")
+
+    @property
+    def kv_group(self) -> int:
+        """Tokens a KIVI format (int4/int2) quantizes keys over (0: another format)."""
+        return KV_DTYPES[self.kv_cache_dtype].group if self.kv_cache_dtype != "auto" else 0
+
+    def _check_compute(self) -> None:
+        """The model's length, memory, dtype, device, weights' format, prefix caching and scheduling fields."""
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if self.kv_cache_memory is not None and memory_share(self.kv_cache_memory) is None:
@@ -169,6 +186,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(WEIGHT_QUANTIZATIONS)} ("
                              f"{'; '.join(f'{k}: {v}' for k, v in WEIGHT_QUANTIZATIONS.items())}); got "
                              f"{self.quantization!r}")
+
+    def _check_tiers(self) -> None:
+        """The offload tiers (host memory, disk, Redis), swap preemption and the KV events' endpoint."""
         if self.kv_offload_memory is not None:
             self.kv_offload_memory = _offload_bytes("kv_offload_memory", self.kv_offload_memory)
         if self.kv_offload_disk_size is not None and self.kv_offload_dir is None:
@@ -187,7 +207,11 @@ class EngineConfig:
         if self.kv_events_endpoint is not None and not str(self.kv_events_endpoint).startswith(ENDPOINT_SCHEMES):
             raise ValueError(f"kv_events_endpoint must be a ZeroMQ endpoint (tcp://*:5557, tcp://host:port, ipc://path);"
                              f" got {self.kv_events_endpoint!r}")
-        self._check_replay()
+
+    def _check_speculation_and_ranks(self) -> None:
+        """speculative_config (parsed into `speculative`), tensor_parallel_size and attention_backend, and what
+        cannot be combined with them."""
+        group = self.kv_group
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative is not None:
             if self.kv_eviction != "none":

@@ -1,6 +1,7 @@
 """The `kvcache` command: generate and chat on a tiny model, errors without tracebacks, the console script."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 from kvcache import LLM, SamplingParams
-from kvcache.cli import main
+from kvcache.cli import build_parser, main
 
 SMALL = ["--kv-cache-memory", "1MiB"]
 
@@ -201,3 +202,61 @@ def test_missing_subcommand_is_a_usage_error(capsys):
         main([])
     assert e.value.code == 2
     assert "usage: kvcache" in capsys.readouterr().err
+
+
+# ---- every flag's help says what it does and its default ----
+
+def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("kvcache",)):
+    """(path, parser) of `parser` and of every subcommand under it, nested ones (bench, eval) included."""
+    yield " ".join(path), parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def help_gaps(parser: argparse.ArgumentParser) -> list[str]:
+    """The flags of `parser` with no help, or whose default (other than None or False) the help does not tell."""
+    gaps = []
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        if not action.help or action.help == argparse.SUPPRESS or not action.help.strip():
+            gaps.append(f"{name}: no help")
+        elif action.default is not None and action.default is not False:
+            shown = parser._get_formatter()._expand_help(action)  # as --help prints it, %(default)s filled in
+            if "default" not in shown.lower():
+                gaps.append(f"{name}: its default {action.default!r} is not in its help")
+    return gaps
+
+
+PARSERS = dict(_parsers(build_parser()))
+
+
+@pytest.mark.parametrize("command", sorted(PARSERS))
+def test_every_flag_has_help_telling_its_default(command, request):
+    if command.startswith("kvcache eval "):  # kvcache/eval/*.py: their owners are adding the missing help strings
+        request.applymarker(pytest.mark.xfail(reason="eval parsers still lack help strings", strict=False))
+    assert not help_gaps(PARSERS[command]), f"`{command}`: " + "; ".join(help_gaps(PARSERS[command]))
+
+
+def test_help_walk_covers_every_subcommand():
+    for command in ("kvcache generate", "kvcache chat", "kvcache plan", "kvcache simulate", "kvcache serve",
+                    "kvcache top", "kvcache bench throughput", "kvcache bench kv-page", "kvcache eval weights"):
+        assert command in PARSERS
+
+
+def test_help_gaps_finds_a_flag_without_help():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quiet", action="store_true", help="say less")
+    p.add_argument("--n", type=int, default=3, help="how many")
+    p.add_argument("--m", type=int, default=3)
+    assert help_gaps(p) == ["--n: its default 3 is not in its help", "--m: no help"]
+
+
+def test_seed_and_sample_seed_are_told_apart():
+    """--seed is the engine's (eviction's random generator), --sample-seed the sampler's: each help names the other."""
+    actions = {a.dest: a for a in PARSERS["kvcache generate"]._actions}
+    assert "--sample-seed" in actions["seed"].help and "sampl" in actions["seed"].help
+    assert "--seed" in actions["sample_seed"].help and "sampl" in actions["sample_seed"].help

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from kvcache import native
 from kvcache.plan.kv_bytes import KVDtype, kv_dtype
 
 BACKENDS = ("auto", "triton", "torch", "cpu")
@@ -38,7 +39,6 @@ def _why_not_cpu(device: torch.device, dtype: torch.dtype, kv: KVDtype) -> str |
         return f"it computes in float32 only, not {str(dtype).removeprefix('torch.')} (use --attention-backend torch)"
     if kv.scales == "none" and kv.name != "float32":
         return "it reads float32 or quantized blocks, not a float16/bfloat16 cache (use --attention-backend torch)"
-    from kvcache import native
     try:
         native.require()
     except native.KernelsUnavailable as e:

@@ -17,8 +17,9 @@ import torch
 
 from kvcache import native
 
-# Tokens of a sequence's context per work item (rounded down to whole blocks, at least one). Measured on two cores,
-# demo model heads: one sequence of 600 tokens, KV from memory, 148 us a layer in one piece against ~45 in splits.
+# Tokens of a sequence's context per work item (rounded down to whole blocks, at least one): a long context split
+# into such items keeps every core busy on a lone sequence, which in one piece ran on one core, several times slower
+# (docs/kernels.md).
 SPLIT_TOKENS = 128
 
 NO_RUNS = torch.empty(0, dtype=torch.int64)  # paged_decode's runs: none

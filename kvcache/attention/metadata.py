@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.memory.device_tables import upload
 from kvcache.store.quantized_store import KiviPlan
 
 # A decode group pads its sequences to the longest of them; start a new group when a
@@ -196,17 +197,42 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
     `table_rows`, each chunk's row in it, block tables are read on the device instead of copied from the
     chunks' lists. The step's integer inputs go to the device in one copy (device_tables.upload).
     """
-    from kvcache.memory.device_tables import upload
+    rows = _flatten(chunks, block_size, kivi, tables, table_rows)
+    members_of = _decode_groups_of(rows.decodes, decode_kernel)
+    up = iter(upload(_integer_parts(rows, members_of, block_size, decode_kernel, read_cache, tables), device))
+    input_ids, positions, slot_mapping, logits_indices, capture_rows = (next(up) for _ in range(5))
+    groups = [_decode_group(members, up, block_size, windows, device, decode_kernel, rows.kb, tables)
+              for members in members_of]
+    prefills = [_prefill_span(p, up, block_size, windows, device, read_cache, kivi, tables) for p in rows.pre]
+    kb = rows.kb
+    return ForwardBatch(input_ids, positions, slot_mapping, logits_indices, groups, prefills, decode_kernel,
+                        kb.plan(device) if kb else None, capture_rows if rows.capture else None)
 
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    logit_rows: list[int] = []
+
+@dataclass(slots=True)
+class _Rows:
+    """A step's chunks flattened to rows (build_batch's first pass): the integer lists, then the decode rows and the
+    prefill chunks that the groups and spans are built from."""
+
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
+    capture: list[int] = field(default_factory=list)
     # (row, context_len, table, full src rows, layer starts, row in `tables`, rows of the run it starts or 0)
-    decodes: list[tuple[int, int, list[int], list[int], list[int] | None, int | None, int]] = []
-    capture: list[int] = []
-    pre: list[tuple[SeqChunk, int, int, list[int], int | None]] = []  # (chunk, row, context_len, full, table row)
-    kb = _KiviBuilder(kivi, block_size, sum(len(c.token_ids) for c in chunks)) if kivi else None
+    decodes: list[tuple[int, int, list[int], list[int], list[int] | None, int | None, int]] = field(
+        default_factory=list)
+    pre: list[tuple[SeqChunk, int, int, list[int], int | None]] = field(default_factory=list)  # (chunk, row,
+    # context_len, full, table row)
+    kb: _KiviBuilder | None = None
+
+
+def _flatten(chunks: list[SeqChunk], block_size: int, kivi: KiviLayout | None, tables: torch.Tensor | None,
+             table_rows: list[int] | None) -> _Rows:
+    """Each chunk's token ids, positions, cache slots and logit rows, in batch order; its decode rows or its
+    prefill span."""
+    r = _Rows(kb=_KiviBuilder(kivi, block_size, sum(len(c.token_ids) for c in chunks)) if kivi else None)
+    ids, pos, slots, logit_rows, decodes, kb = r.ids, r.pos, r.slots, r.logit_rows, r.decodes, r.kb
     for i, c in enumerate(chunks):
         row, n = len(ids), len(c.token_ids)
         t_row = table_rows[i] if tables is not None else None
@@ -223,7 +249,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
         ids.extend(c.token_ids)
         p = range(c.start, c.start + n)
         pos.extend(range(c.start + c.pos_offset, c.start + c.pos_offset + n))
-        capture.extend(row + i for i in c.capture)
+        r.capture.extend(row + i for i in c.capture)
         slots.extend(c.block_table[i // block_size] * block_size + i % block_size for i in p)
         if c.needs_logits:
             logit_rows.extend(range(row + n - c.num_logits, row + n))
@@ -232,21 +258,31 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
             decodes.extend((row + j, c.start + j + 1, c.block_table, full, c.layer_start, t_row, 0 if j else n)
                            for j in range(n))
         else:
-            pre.append((c, row, c.start + n, full, t_row))
-    if decode_kernel:  # one group in batch order: the kernel walks each row's own table
-        members_of: list[list] = [decodes] if decodes else []
-    else:  # padded groups gather sequences of similar length together
-        decodes.sort(key=lambda d: -d[1])
-        members_of, i = [], 0
-        while i < len(decodes):
-            j = i + 1
-            while j < len(decodes) and decodes[j][1] >= _GROUP_FILL * decodes[i][1]:
-                j += 1
-            members_of.append(decodes[i:j])
-            i = j
+            r.pre.append((c, row, c.start + n, full, t_row))
+    return r
 
-    # Every integer list of the step, in one upload; then the tensors are views of it.
-    parts: list[list[int]] = [ids, pos, slots, logit_rows, capture]
+
+def _decode_groups_of(decodes: list, decode_kernel: bool) -> list[list]:
+    """The decode rows' groups: one in batch order for a kernel that walks each row's own table; else groups of
+    similar length (the padded path pads each group to its longest)."""
+    if decode_kernel:
+        return [decodes] if decodes else []
+    decodes.sort(key=lambda d: -d[1])
+    members_of, i = [], 0
+    while i < len(decodes):
+        j = i + 1
+        while j < len(decodes) and decodes[j][1] >= _GROUP_FILL * decodes[i][1]:
+            j += 1
+        members_of.append(decodes[i:j])
+        i = j
+    return members_of
+
+
+def _integer_parts(rows: _Rows, members_of: list[list], block_size: int, decode_kernel: bool, read_cache: bool,
+                   tables: torch.Tensor | None) -> list[list[int]]:
+    """Every integer list of the step, in the order _decode_group and _prefill_span take them from the upload."""
+    kb = rows.kb
+    parts: list[list[int]] = [rows.ids, rows.pos, rows.slots, rows.logit_rows, rows.capture]
     for members in members_of:
         nb = -(-max(m[1] for m in members) // block_size)
         parts.append([m[0] for m in members])
@@ -265,59 +301,60 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
             parts.append([b for b, m in enumerate(members) for _ in m[3]])
             parts.append([m[1] - len(m[3]) + k for m in members for k in range(len(m[3]))])
             parts.append([r for m in members for r in m[3]])
-    for c, _, ctx, full, t_row in pre:
+    for c, _, ctx, full, t_row in rows.pre:
         from_cache = c.start > 0 or read_cache
         parts.append(c.block_table[:-(-ctx // block_size)] if from_cache and tables is None else [])
         parts.append(full)
-    up = iter(upload(parts, device))
-    input_ids, positions, slot_mapping, logits_indices, capture_rows = (next(up) for _ in range(5))
+    return parts
 
-    groups: list[DecodeGroup] = []
-    for members in members_of:
-        nb = -(-max(m[1] for m in members) // block_size)
-        rows_t, ctx, tab = next(up), next(up), next(up)
-        table = tables[tab, :nb].contiguous() if tables is not None else tab.view(len(members), nb)
-        k_pos = torch.arange(nb * block_size, device=device)[None, :]
-        dmasks = {w: _window_ok(ctx[:, None] - 1, k_pos, w)[:, None, None, :] for w in windows} \
-            if not decode_kernel else {}
-        overlay = full = runs = None
-        if decode_kernel and not kb and any(m[6] > 1 for m in members):
-            runs = next(up)
-        if kb and decode_kernel:
-            full = (next(up).view(len(members), max(len(m[3]) for m in members)), next(up))
-        elif kb:
-            overlay = (next(up), next(up), next(up))
-        views = None
-        if any(m[4] for m in members):
-            padded = [m[2][:nb] + [0] * (nb - len(m[2][:nb])) for m in members]
-            views = _layer_views(members, padded, block_size, device)
-        groups.append(DecodeGroup(rows_t, table, ctx, dmasks, overlay, full, views, runs))
 
-    prefills: list[PrefillSpan] = []
-    for c, row, ctx, full, t_row in pre:
-        n = len(c.token_ids)
-        nb = -(-ctx // block_size)
-        from_cache = c.start > 0 or read_cache
-        block_ids, full_t = next(up), next(up)
-        if from_cache and tables is not None:
-            block_ids = tables[t_row, :nb]
-        q_pos = torch.arange(c.start, ctx, device=device)[:, None]
-        k_pos = torch.arange(nb * block_size if from_cache else ctx, device=device)[None, :]
-        full_start = ctx - len(full)
-        pmasks: dict[int | None, torch.Tensor | None] = {}
-        for w in windows:
-            if kb:  # dequantized keys of earlier groups, then full-precision keys of the query's own group
-                g = kivi.group
-                f_pos = torch.arange(full_start, ctx, device=device)[None, :]
-                pmasks[w] = torch.cat([_window_ok(q_pos, k_pos, w) & (k_pos // g < q_pos // g),
-                                       _window_ok(q_pos, f_pos, w) & (f_pos // g == q_pos // g)], dim=1)
-            else:
-                plain = not from_cache and (w is None or w >= ctx)
-                pmasks[w] = None if plain else _window_ok(q_pos, k_pos, w)
-        prefills.append(PrefillSpan(row, n, ctx, block_ids if from_cache else None, pmasks,
-                                    full_t if kb else None, full_start))
-    return ForwardBatch(input_ids, positions, slot_mapping, logits_indices, groups, prefills, decode_kernel,
-                        kb.plan(device) if kb else None, capture_rows if capture else None)
+def _decode_group(members: list, up, block_size: int, windows: tuple[int | None, ...], device, decode_kernel: bool,
+                  kb: _KiviBuilder | None, tables: torch.Tensor | None) -> DecodeGroup:
+    """One group of decode rows from its uploaded tensors (taken from `up` in _integer_parts' order)."""
+    nb = -(-max(m[1] for m in members) // block_size)
+    rows_t, ctx, tab = next(up), next(up), next(up)
+    table = tables[tab, :nb].contiguous() if tables is not None else tab.view(len(members), nb)
+    k_pos = torch.arange(nb * block_size, device=device)[None, :]
+    dmasks = {w: _window_ok(ctx[:, None] - 1, k_pos, w)[:, None, None, :] for w in windows} \
+        if not decode_kernel else {}
+    overlay = full = runs = None
+    if decode_kernel and not kb and any(m[6] > 1 for m in members):
+        runs = next(up)
+    if kb and decode_kernel:
+        full = (next(up).view(len(members), max(len(m[3]) for m in members)), next(up))
+    elif kb:
+        overlay = (next(up), next(up), next(up))
+    views = None
+    if any(m[4] for m in members):
+        padded = [m[2][:nb] + [0] * (nb - len(m[2][:nb])) for m in members]
+        views = _layer_views(members, padded, block_size, device)
+    return DecodeGroup(rows_t, table, ctx, dmasks, overlay, full, views, runs)
+
+
+def _prefill_span(pre: tuple, up, block_size: int, windows: tuple[int | None, ...], device, read_cache: bool,
+                  kivi: KiviLayout | None, tables: torch.Tensor | None) -> PrefillSpan:
+    """One prefill chunk's span: its cached blocks (where it reads the cache) and a mask per window."""
+    c, row, ctx, full, t_row = pre
+    n = len(c.token_ids)
+    nb = -(-ctx // block_size)
+    from_cache = c.start > 0 or read_cache
+    block_ids, full_t = next(up), next(up)
+    if from_cache and tables is not None:
+        block_ids = tables[t_row, :nb]
+    q_pos = torch.arange(c.start, ctx, device=device)[:, None]
+    k_pos = torch.arange(nb * block_size if from_cache else ctx, device=device)[None, :]
+    full_start = ctx - len(full)
+    pmasks: dict[int | None, torch.Tensor | None] = {}
+    for w in windows:
+        if kivi:  # dequantized keys of earlier groups, then full-precision keys of the query's own group
+            g = kivi.group
+            f_pos = torch.arange(full_start, ctx, device=device)[None, :]
+            pmasks[w] = torch.cat([_window_ok(q_pos, k_pos, w) & (k_pos // g < q_pos // g),
+                                   _window_ok(q_pos, f_pos, w) & (f_pos // g == q_pos // g)], dim=1)
+        else:
+            plain = not from_cache and (w is None or w >= ctx)
+            pmasks[w] = None if plain else _window_ok(q_pos, k_pos, w)
+    return PrefillSpan(row, n, ctx, block_ids if from_cache else None, pmasks, full_t if kivi else None, full_start)
 
 
 def _layer_views(members: list, table: list[list[int]], block_size: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -125,11 +125,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
 def _prefill_kernel(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, layer: int, p,
                     batch: ForwardBatch, scale: float, window: int | None, softcap: float | None, ws: Workspace,
                     src: torch.Tensor | None = None) -> bool:
-    """Attend prefill chunk `p` with the C++ causal kernel (cpu_kernel.prefill_attention, 1.5-2x SDPA's CPU
-    kernel on the demo's heads) where it applies, and say whether it did: the cpu backend in float32 with head sizes
-    a multiple of 32, no soft-cap, no window inside the context, and either a fresh prompt (its own K/V) or a chunk
-    over the store's blocks: an exact store's (an MLA latent's too), a per-token quantized store's dequantized (as
-    every chunk over a lossy store reads them), or KIVI's (`_kivi_prefill`)."""
+    """Attend prefill chunk `p` with the C++ causal kernel (cpu_kernel.prefill_attention, faster than SDPA's CPU
+    kernel on the demo's heads: docs/kernels.md) where it applies, and say whether it did: the cpu backend in float32
+    with head sizes a multiple of 32, no soft-cap, no window inside the context, and either a fresh prompt (its own
+    K/V) or a chunk over the store's blocks: an exact store's (an MLA latent's too), a per-token quantized store's
+    dequantized (as every chunk over a lossy store reads them), or KIVI's (`_kivi_prefill`)."""
     D = q.shape[2]
     if (batch.backend != "cpu" or q.device.type != "cpu" or q.dtype != torch.float32 or softcap is not None
             or D % 32 or cpu_kernel.load() is None):

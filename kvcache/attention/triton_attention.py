@@ -49,9 +49,9 @@ def _load_tile(x_ptr, raw16_ptr, phys, off, kh, d, tmask, dmask, row_bytes, data
     """K or V of BLOCK_N tokens, token i at slot off[i] of physical block phys[i], KV head kh, channels d:
     [BLOCK_N, BLOCK_D] values (a quantized store's codes as their values, unscaled, float32) and, for a
     quantized store, the tokens' scales [BLOCK_N] (ones otherwise): the scores' dot product takes K's codes and
-    the scales multiply its results; V is scaled in registers. QUANT: 0 a full-precision store, 1 fp8 e4m3 codes, 2 fp8 e5m2, 3 int8 (each value exact in
-    bf16 and fp16), converted by bitcast in registers (a 256-entry table gathered per value ran at 4% of the
-    memory bandwidth on an H200)."""
+    the scales multiply its results; V is scaled in registers. QUANT: 0 a full-precision store, 1 fp8 e4m3 codes,
+    2 fp8 e5m2, 3 int8 (each value exact in bf16 and fp16), converted by bitcast in registers (a 256-entry table
+    gathered per value reached a small fraction of the memory bandwidth on the GPU measured: docs/kernels.md)."""
     m = tmask[:, None] & dmask[None, :]
     if QUANT > 0:
         codes = tl.load(x_ptr + phys[:, None] * row_bytes + data_off + (off[:, None] * KVH + kh) * D + d[None, :],

@@ -30,15 +30,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3-8b", help="preset name, config.json or model directory: the head "
                    "shape (default Llama-3-8B: 32 query heads, 8 KV heads, head_dim 128)")
     p.add_argument("--batch", type=int, default=None, help="sequences (default 64 on CUDA, 16 on CPU)")
-    p.add_argument("--context", type=int, default=None, help="tokens of context each (default 4096 on CUDA, 1024 on CPU)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens of context each (default 4096 on CUDA, 1024 on CPU)")
     p.add_argument("--kv-cache-dtype", default=None, help="KV storage format, comma-separated for several "
                    "(default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per block (default 16; 64 where a format is int4/int2, as the engine picks)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--backends", default=None, help="comma-separated (default: triton,torch on CUDA; cpu,torch on CPU)")
-    p.add_argument("--seconds", type=float, default=2.0, help="timing budget per backend and format")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to run; auto: CUDA where torch sees a GPU, else the CPU (default: %(default)s)")
+    p.add_argument("--backends", default=None,
+                   help="attention backends to time, comma-separated (default: triton,torch on CUDA; cpu,torch on CPU)")
+    p.add_argument("--seconds", type=float, default=2.0,
+                   help="timing budget per backend and format, in seconds (default: %(default)s)")
+    p.add_argument("--json", default=None, help="write the results here (default: not written)")
 
 
 def _store(shape, kv: str, compute: torch.dtype, batch: int, context: int, block_size: int, device, seed: int,

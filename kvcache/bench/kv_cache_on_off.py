@@ -21,14 +21,18 @@ from kvcache.bench.report import write_json
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face model directory or GGUF file (default: the demo model)")
-    p.add_argument("--max-tokens", type=int, default=1024, help="tokens to generate (N)")
-    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=1024, help="tokens to generate (N) (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default: %(default)s)")
     p.add_argument("--points", default=None, help="comma-separated lengths at which the uncached step is timed "
                    "(default: 8 points from the prompt to N, evenly spaced in log)")
-    p.add_argument("--repeats", type=int, default=3, help="timings of each uncached step (the best is kept)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--json", default="results/kv_cache_on_off.json", help="write the results here (default: %(default)s; \'\' to skip)")
-    p.add_argument("--plot", default="results/kv_cache_on_off.png", help="PNG of time per step and in total ('' to skip)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timings of each uncached step (the best is kept) (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="the model's compute dtype: float32, bfloat16, float16 "
+                   "(default: %(default)s)")
+    p.add_argument("--json", default="results/kv_cache_on_off.json",
+                   help="write the results here (default: %(default)s; \'\' to skip)")
+    p.add_argument("--plot", default="results/kv_cache_on_off.png",
+                   help="PNG of time per step and in total (default: %(default)s; '' to skip)")
 
 
 def fit_power(ns: list[float], ts: list[float]) -> tuple[float, float]:

@@ -25,16 +25,23 @@ from kvcache.bench.report import write_json
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-blocks", type=int, default=100_000)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--viewers", type=int, default=5)
-    p.add_argument("--requests", type=int, default=16, help="requests per serving run")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=100_000,
+                   help="blocks in the snapshot part's pool, at least 1000 (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block in the snapshot part (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="snapshots timed per prefix-caching mode, the median reported (default: %(default)s)")
+    p.add_argument("--viewers", type=int, default=5,
+                   help="KV page viewers following /kv/stream in the serving part (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=16, help="requests per serving run (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="output tokens of each serving request (default: %(default)s)")
     p.add_argument("--model", default=None, help="the serving runs' model (default: the demo model)")
-    p.add_argument("--quantization", default="int4")
+    p.add_argument("--quantization", default="int4", help="the serving runs' weights: none, int8, int4 "
+                   "(default: %(default)s)")
     p.add_argument("--skip-serving", action="store_true", help="the snapshot part only")
-    p.add_argument("--json", default="results/kv_page.json", help="write the results here (default: %(default)s; \'\' to skip)")
+    p.add_argument("--json", default="results/kv_page.json",
+                   help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def _pool_engine(path: str, args, algo: str):

@@ -22,10 +22,13 @@ LAYOUTS = ("panels", "onednn", "dense")
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="preset name, config.json or model directory: the layer "
                    "shapes (default: the demo model, SmolLM2-135M)")
-    p.add_argument("--rows", default="1,8,32,64,256,2048", help="rows per call (a step's tokens), comma-separated")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
-    p.add_argument("--seconds", type=float, default=0.3, help="timing budget per layer, row count and layout")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--rows", default="1,8,32,64,256,2048",
+                   help="rows per call (a step's tokens), comma-separated (default: %(default)s)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS),
+                   help=f"weight layouts to time, comma-separated, of {', '.join(LAYOUTS)} (default: %(default)s)")
+    p.add_argument("--seconds", type=float, default=0.3,
+                   help="timing budget per layer, row count and layout, in seconds (default: %(default)s)")
+    p.add_argument("--json", default=None, help="write the results here (default: not written)")
 
 
 def layer_shapes(shape) -> dict[str, tuple[int, int]]:
@@ -41,7 +44,7 @@ def _layout(name: str, w):
     import torch
 
     from kvcache.models import cpu_kernels
-    from kvcache.models.llama import pack_weight, packed_linear, panel_linear
+    from kvcache.models.linear import pack_weight, packed_linear, panel_linear
     if name == "panels":
         kernels = cpu_kernels.load()
         if kernels is None:

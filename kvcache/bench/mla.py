@@ -26,11 +26,15 @@ KV_FORMATS = ("float32", "bfloat16", "int8", "fp8_e4m3")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--contexts", default="256,1024,4096", help="context lengths (tokens) of part 2")
-    p.add_argument("--batch", type=int, default=4, help="sequences decoding together in part 2")
-    p.add_argument("--steps", type=int, default=5, help="decode steps timed per context and form")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--json", default="results/mla.json", help="write the results here (default: %(default)s; \'\' to skip)")
+    p.add_argument("--contexts", default="256,1024,4096",
+                   help="context lengths (tokens) of part 2, comma-separated (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="sequences decoding together in part 2 (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=5,
+                   help="decode steps timed per context and form (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--json", default="results/mla.json",
+                   help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def _config(max_len: int):

@@ -31,23 +31,33 @@ from kvcache.parallel.host import free_port
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--kv-cache-memory", default="128MiB", help="per replica (the demo: 2,900 tokens; a quarter of the "
-                   "system prompts fits beside the running requests, all of them do not)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--routing-balance", type=float, default=4, help="kv-aware's --routing-balance")
-    p.add_argument("--groups", type=int, default=16, help="system prompts (both workloads)")
+    p.add_argument("--replicas", type=int, default=4,
+                   help="engine replicas behind the router, at least 2 (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", default="128MiB", help="KV cache per replica, bytes (the demo: 2,900 tokens; "
+                   "a quarter of the system prompts fits beside the running requests, all of them do not) "
+                   "(default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="tokens of one request at most (default: %(default)s)")
+    p.add_argument("--routing-balance", type=float, default=4,
+                   help="kv-aware's --routing-balance, requests in flight (default: %(default)s)")
+    p.add_argument("--groups", type=int, default=16, help="system prompts (both workloads) (default: %(default)s)")
     p.add_argument("--users", type=int, default=8, help="users per system prompt: shared-prefix, one request each; "
-                   "multi-turn, one conversation each")
-    p.add_argument("--prefix-len", type=int, default=256, help="words of each system prompt")
-    p.add_argument("--suffix-len", type=int, default=32, help="words of each user's own message")
-    p.add_argument("--output-len", type=int, default=16)
+                   "multi-turn, one conversation each (default: %(default)s)")
+    p.add_argument("--prefix-len", type=int, default=256, help="words of each system prompt (default: %(default)s)")
+    p.add_argument("--suffix-len", type=int, default=32,
+                   help="words of each user's own message (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=16,
+                   help="output tokens of each request (default: %(default)s)")
     p.add_argument("--turns", type=int, default=2, help="multi-turn: turns per conversation (each after the last "
-                   "one's answer, with the whole history)")
-    p.add_argument("--max-concurrency", type=int, default=16)
-    p.add_argument("--workloads", default="shared-prefix,multi-turn")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="results/replicas.json", help="write the results here (default: %(default)s; \'\' to skip)")
+                   "one's answer, with the whole history) (default: %(default)s)")
+    p.add_argument("--max-concurrency", type=int, default=16,
+                   help="requests in flight at most (default: %(default)s)")
+    p.add_argument("--workloads", default="shared-prefix,multi-turn",
+                   help="workloads to run, comma-separated, of shared-prefix, multi-turn (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the workloads' prompts and order (bench serve's --seed) (default: %(default)s)")
+    p.add_argument("--json", default="results/replicas.json",
+                   help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def _hits(url: str) -> tuple[float, float]:

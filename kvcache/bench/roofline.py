@@ -33,7 +33,7 @@ def measure_gemm_gflops(m: int | None = None, k: int | None = None, n: int | Non
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> float:
     """Best matmul rate (GFLOP/s) in `dtype` on `device` over `seconds` of repeated [m,k] x [k,n] products (default
     512 x 1536 x 1536 on a CPU, 8192 cubed on a GPU, where smaller products are bound by their launch); where the
-    engine packs float32 weights (llama.Dense.pack), the best of torch.matmul, the engine's own linear layer (the C++
+    engine packs float32 weights (linear.py's Dense.pack), the best of torch.matmul, the engine's own linear layer (the C++
     kernels' panels) and oneDNN's linear on its packed layout."""
     device = torch.device(device)
     default = 8192 if device.type == "cuda" else None
@@ -42,7 +42,7 @@ def measure_gemm_gflops(m: int | None = None, k: int | None = None, n: int | Non
     b = torch.randn(k, n, dtype=dtype, device=device)
     out = torch.empty(m, n, dtype=dtype, device=device)
     best = _best_rate(lambda: torch.matmul(a, b, out=out), 2 * m * k * n, seconds, device)
-    from kvcache.models.llama import Dense, pack_weight, packable, packed_linear
+    from kvcache.models.linear import Dense, pack_weight, packable, packed_linear
     if not packable(dtype, device):
         return best / 1e9
     dense = Dense(k, n, bias=False).to(dtype=dtype, device=device)

@@ -371,39 +371,52 @@ def wait_until_serving(url: str, proc, timeout: float = 300, path: str = "/healt
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `kvcache bench serve` (all of them; it needs no engine flags)."""
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (a trailing /v1 is fine)")
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="server base URL (a trailing /v1 is fine) (default: %(default)s)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
-                   help="completions: POST /v1/completions with prompt text; chat: /v1/chat/completions with messages")
+                   help="completions: POST /v1/completions with prompt text; chat: /v1/chat/completions with messages "
+                        "(default: %(default)s)")
     p.add_argument("--model", default=None, help="model name sent in requests (default: first of GET /v1/models)")
     p.add_argument("--api-key", default=None, help="sent as a Bearer token (default: $OPENAI_API_KEY)")
-    p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random")
-    p.add_argument("--num-prompts", type=int, default=64, help="random: requests")
-    p.add_argument("--input-len", default="64:512", help="random: prompt length range A:B (words, about tokens)")
+    p.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random",
+                   help="random prompts; groups of prompts sharing a prefix; or conversations whose turns resend the "
+                        "history (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=64, help="random: requests (default: %(default)s)")
+    p.add_argument("--input-len", default="64:512",
+                   help="random: prompt length range A:B (words, about tokens) (default: %(default)s)")
     p.add_argument("--output-len", default=None, help="max_tokens; random: a range A:B (default 32:256); "
                    "shared-prefix / multi-turn: one number (default 64)")
     p.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="random: words prepended identically to every prompt")
-    p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: groups sharing a prefix")
-    p.add_argument("--requests-per-group", type=int, default=16, help="shared-prefix: requests per group")
+                   help="random: words prepended identically to every prompt (default: %(default)s)")
+    p.add_argument("--num-groups", type=int, default=4,
+                   help="shared-prefix: groups sharing a prefix (default: %(default)s)")
+    p.add_argument("--requests-per-group", type=int, default=16,
+                   help="shared-prefix: requests per group (default: %(default)s)")
     p.add_argument("--prefix-len", type=int, default=512,
-                   help="shared-prefix: prefix words; multi-turn: system prompt words")
+                   help="shared-prefix: prefix words; multi-turn: system prompt words (default: %(default)s)")
     p.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: words of each request's own suffix; "
-                   "multi-turn: words of each user message")
-    p.add_argument("--shuffle", action="store_true", help="shared-prefix: send the requests in a seeded random order "
-                   "(default: request i of group i %% G, the groups in a cycle); multi-turn: the conversations start in "
-                   "such an order")
-    p.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations")
+                   "multi-turn: words of each user message (default: %(default)s)")
+    p.add_argument("--shuffle", action="store_true", help="shared-prefix: send the requests in a seeded random "
+                   "order (default: request i of group i %% G, the groups in a cycle); multi-turn: the conversations "
+                   "start in such an order")
+    p.add_argument("--num-conversations", type=int, default=8,
+                   help="multi-turn: conversations (default: %(default)s)")
     p.add_argument("--num-system-prompts", type=int, default=1, help="multi-turn: conversation i is behind system "
                    "prompt i %% S (default 1: one shared by all)")
-    p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--num-turns", type=int, default=4,
+                   help="multi-turn: turns per conversation (default: %(default)s)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (multi-turn: "
                    "conversation starts); default inf: all at once")
-    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take, start to [DONE]")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight (default: no limit)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds one request may take, start to [DONE] (default: %(default)s)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="send ignore_eos so output lengths are exact (vLLM, kvcache); off for servers that refuse it")
-    p.add_argument("--seed", type=int, default=0, help="seeds the prompts, lengths and arrival times")
-    p.add_argument("--json", default=None, help="write the results here")
+                   help="send ignore_eos so output lengths are exact (vLLM, kvcache); off for servers that refuse it "
+                        "(default: on)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the prompts, lengths and arrival times (default: %(default)s)")
+    p.add_argument("--json", default=None, help="write the results here (default: not written)")
 
 
 def _conversations(args: argparse.Namespace) -> tuple[list[Conversation], dict]:

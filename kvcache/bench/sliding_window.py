@@ -31,15 +31,19 @@ from kvcache.memory.kv_cache_manager import blocks_for
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--window", type=int, default=64, help="sliding window (tokens)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--lengths", default="64,128,256,512,1024", help="context lengths (tokens) of part 1")
-    p.add_argument("--requests", type=int, default=32, help="requests of 8x the window in part 2")
+    p.add_argument("--window", type=int, default=64, help="sliding window (tokens) (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--lengths", default="64,128,256,512,1024",
+                   help="context lengths (tokens) of part 1, comma-separated (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=32,
+                   help="requests of 8x the window in part 2 (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=None,
                    help="prompt tokens of each part-2 request (default 7x the window: long prompts, one window "
                         "generated); the rest of the 8x the window is generated")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--json", default="results/sliding_window.json", help="write the results here (default: %(default)s; \'\' to skip)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="part 2's engine: tokens per step at most (default: %(default)s)")
+    p.add_argument("--json", default="results/sliding_window.json",
+                   help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def _config(shape: str, window: int, max_len: int):

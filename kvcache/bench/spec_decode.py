@@ -39,26 +39,37 @@ INSTRUCTION = "Repeat the following text, fixing only its typos:\n\n"
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory or GGUF file (default: the demo model)")
     p.add_argument("--quantization", default="int4", help="weights (default int4: the fast CPU single stream)")
-    p.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
+    p.add_argument("--method", choices=["ngram", "draft_model"], default="ngram",
+                   help="ngram: proposals looked up in the prompt and output; draft_model: proposed by a smaller "
+                        "model (default: %(default)s)")
     p.add_argument("--draft-model", default=None, help="draft_model: the draft checkpoint (default: the target's)")
     p.add_argument("--draft-quantization", default="int4", help="draft_model: the draft's weights (default int4)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--prompt-lookup-max", type=int, default=4)
-    p.add_argument("--prompt-lookup-min", type=int, default=2)
-    p.add_argument("--batches", default="1,8", help="requests submitted together")
-    p.add_argument("--rounds", type=int, default=2, help="batches of new prompts per size")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, seeded per request")
-    p.add_argument("--doc-chars", type=int, default=1200, help="characters of each document in a grounded prompt")
-    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="tokens proposed per step (default: %(default)s)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4,
+                   help="ngram: longest n-gram matched, tokens (default: %(default)s)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2,
+                   help="ngram: shortest n-gram matched, tokens (default: %(default)s)")
+    p.add_argument("--batches", default="1,8",
+                   help="requests submitted together, comma-separated sizes (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=2, help="batches of new prompts per size (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="output tokens per request (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; above: sampled, seeded per request (default: %(default)s)")
+    p.add_argument("--doc-chars", type=int, default=1200,
+                   help="characters of each document in a grounded prompt (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", default="1GiB",
+                   help="KV cache of each engine, bytes, e.g. 1GiB (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384,
-                   help="tokens per step (default: every batch's prompts prefill in one step; a smaller budget "
-                        "splits them where verification rows leave room, and under int4 weights a different "
-                        "split alone can change a greedy token, plain decoding included)")
+                   help="tokens per step (default: %(default)s: every batch's prompts prefill in one step; a "
+                        "smaller budget splits them where verification rows leave room, and under int4 weights a "
+                        "different split alone can change a greedy token, plain decoding included)")
     p.add_argument("--profile", action="store_true",
                    help="time each kind of step of both engines (decode, verify: a step in which sequences verify "
                         "a proposal, prefill/mixed): what a verification row costs over a plain decode here")
-    p.add_argument("--json", default="results/spec_decode.json", help="write the results here (default: %(default)s; \'\' to skip)")
+    p.add_argument("--json", default="results/spec_decode.json",
+                   help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def _prompts(llm, workload: str, n: int, offset: int, chars: int) -> list[list[int]]:

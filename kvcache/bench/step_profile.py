@@ -94,19 +94,20 @@ class _TimedKernels:
 def profiling(engine):
     """Time `engine`'s steps while the block runs; yields the StepProfile."""
     from kvcache.attention import cpu_kernel
-    from kvcache.models import llama
+    from kvcache.models import decoder_layer
+    from kvcache.models.linear import Dense
     from kvcache.models.quant_linear import Int4Dense, Int8Dense
     prof = StepProfile()
     saved_decode = cpu_kernel.paged_decode
-    saved = [(cls, cls.forward) for cls in (llama.Dense, Int8Dense, Int4Dense)]
-    saved_attention = llama.paged_attention
+    saved = [(cls, cls.forward) for cls in (Dense, Int8Dense, Int4Dense)]
+    saved_attention = decoder_layer.paged_attention
     layers = engine.runner.model.layers
     saved_kernels = [layer.kernels for layer in layers]
     runner = engine.runner
     try:
         for cls, fwd in saved:
             cls.forward = prof.timed(fwd, "_kernel")
-        llama.paged_attention = prof.timed(saved_attention, "_kernel")
+        decoder_layer.paged_attention = prof.timed(saved_attention, "_kernel")
         cpu_kernel.paged_decode = prof.timed(saved_decode, "_kernel")  # the fused path calls it directly
         for layer in layers:
             if layer.kernels is not None:
@@ -119,7 +120,7 @@ def profiling(engine):
     finally:
         for cls, fwd in saved:
             cls.forward = fwd
-        llama.paged_attention = saved_attention
+        decoder_layer.paged_attention = saved_attention
         cpu_kernel.paged_decode = saved_decode
         for layer, k in zip(layers, saved_kernels):
             layer.kernels = k

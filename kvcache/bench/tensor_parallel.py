@@ -25,15 +25,24 @@ from kvcache.parallel.host import usable_cores
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a checkpoint (default: the demo-sized random Llama, see above)")
-    p.add_argument("--tensor-parallel-sizes", default="1,2", help="sizes to run, 1 first (the baseline)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--input-len", default="64:256")
-    p.add_argument("--output-len", default="32:128")
-    p.add_argument("--single-stream", type=int, default=2, help="requests run one at a time (0: skip that workload)")
-    p.add_argument("--kv-cache-memory", default="256MiB", help="per rank")
-    p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="results/tensor_parallel.json", help="write the results here (default: %(default)s; \'\' to skip)")
+    p.add_argument("--tensor-parallel-sizes", default="1,2",
+                   help="sizes to run, comma-separated, 1 first (the baseline) (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="requests of the batch workload (default: %(default)s)")
+    p.add_argument("--input-len", default="64:256",
+                   help="batch workload: prompt length range A:B (tokens) (default: %(default)s)")
+    p.add_argument("--output-len", default="32:128",
+                   help="batch workload: output length range A:B (tokens) (default: %(default)s)")
+    p.add_argument("--single-stream", type=int, default=2,
+                   help="requests run one at a time (0: skip that workload) (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", default="256MiB",
+                   help="KV cache per rank, bytes, e.g. 256MiB (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=512,
+                   help="tokens of one request at most (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the workloads' random prompts and lengths "
+                   "(default: %(default)s)")
+    p.add_argument("--json", default="results/tensor_parallel.json",
+                   help="write the results here (default: %(default)s; \'\' to skip)")
 
 
 def demo_sized_model(directory: str) -> str:

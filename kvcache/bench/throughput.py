@@ -116,35 +116,46 @@ def positive_ints(flag: str, text: str, least: int = 1) -> list[int]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", default="64:512", help="prompt length range A:B (tokens)")
+    p.add_argument("--num-prompts", type=int, default=64,
+                   help="random workload: requests (default: %(default)s)")
+    p.add_argument("--input-len", default="64:512",
+                   help="random workload: prompt length range A:B (tokens) (default: %(default)s)")
     p.add_argument("--output-len", default=None, help="output length range A:B (tokens; default 32:256); "
                    "shared-prefix / multi-turn take one length (default 64)")
-    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="hf: run the same workload on Hugging Face transformers too, and compare; none: kvcache "
+                        "alone (default: %(default)s)")
     p.add_argument("--hf-batch-sizes", default="8,16,32", help="static batch sizes to try for transformers; "
-                   "the best one is the baseline")
+                   "the best one is the baseline (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
                    help="random workload: run kvcache and each transformers batch size this many times, taking turns "
                         "(a shared machine's slow spells land on both), and keep each one's fastest run; every run's "
-                        "time is in the JSON and the speedup of the medians is printed too")
-    p.add_argument("--json", default=None, help="write the results here")
+                        "time is in the JSON and the speedup of the medians is printed too (default: %(default)s)")
+    p.add_argument("--json", default=None, help="write the results here (default: not written)")
     p.add_argument("--profile", action="store_true", help="random workload: split each step's time into kernels, "
                    "the rest of the forward and the rest of the step, by kind of step (CPU)")
     p.add_argument("--workload", default="random", choices=["random", "shared-prefix", "multi-turn"],
-                   help="random: against transformers; shared-prefix / multi-turn: prefix caching off vs hash vs radix")
+                   help="random: against transformers; shared-prefix / multi-turn: prefix caching off vs hash vs "
+                        "radix (default: %(default)s)")
     p.add_argument("--prefix-caching-modes", default="off,hash,radix",
                    help="shared-prefix / multi-turn: modes to run, of off, hash, radix, cpu, disk (cpu, "
-                   "disk: hash plus that offload tier)")
-    p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: groups sharing a prefix")
-    p.add_argument("--requests-per-group", type=int, default=16, help="shared-prefix: requests per group")
-    p.add_argument("--prefix-len", type=int, default=512, help="shared prefix (multi-turn: system prompt) tokens")
+                   "disk: hash plus that offload tier) (default: %(default)s)")
+    p.add_argument("--num-groups", type=int, default=4,
+                   help="shared-prefix: groups sharing a prefix (default: %(default)s)")
+    p.add_argument("--requests-per-group", type=int, default=16,
+                   help="shared-prefix: requests per group (default: %(default)s)")
+    p.add_argument("--prefix-len", type=int, default=512,
+                   help="shared prefix (multi-turn: system prompt) tokens (default: %(default)s)")
     p.add_argument("--suffix-len", type=int, default=64, help="tokens of each request's own suffix (multi-turn: "
-                   "of each user message)")
-    p.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations")
-    p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+                   "of each user message) (default: %(default)s)")
+    p.add_argument("--num-conversations", type=int, default=8,
+                   help="multi-turn: conversations (default: %(default)s)")
+    p.add_argument("--num-turns", type=int, default=4,
+                   help="multi-turn: turns per conversation (default: %(default)s)")
     p.add_argument("--preemption-modes", default=None,
                    help="random workload: run these of recompute, swap one after the other (with a --kv-cache-memory "
-                        "too small for the workload) and compare them; swap uses --kv-offload-memory (default 4GiB)")
+                        "too small for the workload) and compare them; swap uses --kv-offload-memory (default 4GiB) "
+                        "(default: not run)")
 
 
 def _result(work: Workload, elapsed: float, peak: int) -> dict:
@@ -229,22 +240,15 @@ def fastest(runs: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = positive_ints("--hf-batch-sizes", args.hf_batch_sizes) if args.baseline == "hf" else []  # before any work
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
-    if args.repeats > 1 and (args.preemption_modes or args.workload != "random"):
-        raise ValueError("--repeats applies to the random workload without --preemption-modes")
-    if args.preemption_modes:
-        from kvcache.bench.preemption import parse_modes
-        parse_modes(args.preemption_modes)  # refused before any work
-        if args.workload != "random":
-            raise ValueError("--preemption-modes runs the random workload; drop --workload or --preemption-modes")
+    """`kvcache bench throughput`: the workload through kvcache (and transformers' static batches with --baseline
+    hf), the roofline of the same run, a table and the JSON."""
+    sizes = _checked_sizes(args)  # before any work
     if args.workload != "random":
         from kvcache.bench.prefix_sharing import run as run_prefix_sharing
         return run_prefix_sharing(args)
     import torch
 
-    from kvcache.bench.roofline import measure_bandwidth_gbs, measure_gemm_gflops, workload_bytes, workload_flops
+    from kvcache.bench.roofline import measure_gemm_gflops
     from kvcache.engine.sizing import resolve_device_dtype
     from kvcache.models.loader import read_config
     torch.manual_seed(args.seed)
@@ -265,11 +269,43 @@ def run(args: argparse.Namespace) -> int:
         "dtype": str(dtype).removeprefix("torch."),
         "kv_cache_dtype": str(dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
     }
+    _run_turns(args, work, device, dtype, sizes, results)
+    _add_roofline(results, cfg, work, gflops, device, dtype)
+    _print_table(results)
+    if "preemption_modes" in results:
+        from kvcache.bench.preemption import print_table as print_preemption
+        print_preemption(results["preemption_modes"])
+    if "profile" in results["kvcache"]:
+        print_profile(results["kvcache"]["profile"])
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
+def _checked_sizes(args: argparse.Namespace) -> list[int]:
+    """transformers' batch sizes to run (none without --baseline hf); ValueError for flags that do not go
+    together, before any work."""
+    sizes = positive_ints("--hf-batch-sizes", args.hf_batch_sizes) if args.baseline == "hf" else []
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.repeats > 1 and (args.preemption_modes or args.workload != "random"):
+        raise ValueError("--repeats applies to the random workload without --preemption-modes")
+    if args.preemption_modes:
+        from kvcache.bench.preemption import parse_modes
+        parse_modes(args.preemption_modes)
+        if args.workload != "random":
+            raise ValueError("--preemption-modes runs the random workload; drop --workload or --preemption-modes")
+    return sizes
+
+
+def _run_turns(args: argparse.Namespace, work: Workload, device, dtype, sizes: list[int], results: dict) -> None:
+    """`args.repeats` turns of kvcache then each transformers batch size; the fastest run of each into `results`
+    (with the speed-up over transformers' best batch size)."""
     kv_runs: list[dict] = []
     hf_runs: dict[int, list[dict]] = {bs: [] for bs in sizes}
     for _ in range(args.repeats):  # in turns: kvcache, then each batch size, then again
         if args.preemption_modes:
-            from kvcache.bench.preemption import print_table as print_preemption, run_modes
+            from kvcache.bench.preemption import run_modes
             results["preemption_modes"] = run_modes(args, work, str(device), run_kvcache)
             kv_runs.append(next(iter(results["preemption_modes"].values())))
         else:
@@ -284,6 +320,12 @@ def run(args: argparse.Namespace) -> int:
         results["speedup"] = results["kvcache"]["output_tokens_per_s"] / best["output_tokens_per_s"]
         results["speedup_of_medians"] = (statistics.median(best["elapsed_runs_s"])
                                          / statistics.median(results["kvcache"]["elapsed_runs_s"]))
+
+
+def _add_roofline(results: dict, cfg, work: Workload, gflops: float, device, dtype) -> None:
+    """The workload's roofline (its FLOPs at the GEMM rate, its bytes at the memory bandwidth, measured in this
+    run) and each run's fraction of it; each decode step kind's fraction of the bandwidth."""
+    from kvcache.bench.roofline import measure_bandwidth_gbs, measure_gemm_gflops, workload_bytes, workload_flops
     # The rates are measured before and after the runs and the better kept: one short measurement can land on
     # a slow moment of a shared machine and flatter every engine.
     gflops = max(gflops, measure_gemm_gflops(dtype=dtype, device=device))
@@ -303,14 +345,6 @@ def run(args: argparse.Namespace) -> int:
             decode_roofline(r["decode_steps"], r["weight_read_bytes"], r["kv_bytes_per_token"], bandwidth)
     if "hf" in results:
         results["hf"]["roofline_fraction"] = min_time / results["hf"]["elapsed_s"]
-    _print_table(results)
-    if "preemption_modes" in results:
-        print_preemption(results["preemption_modes"])
-    if "profile" in results["kvcache"]:
-        print_profile(results["kvcache"]["profile"])
-    if args.json:
-        write_json(args.json, results)
-    return 0
 
 
 def _print_table(r: dict) -> None:

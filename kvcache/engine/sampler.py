@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.engine.sampling_params import SamplingParams
+from kvcache.models import cpu_kernels
 
 # Top-k/top-p rows look for their kept set among this many most likely tokens first, and
 # widen to the next size (the last being the whole vocabulary) only if it may lie beyond:
@@ -115,7 +116,6 @@ def _argmax_finite(work: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tenso
     finds both in one pass over the logits (torch's isfinite().all() and argmax cost ~7 and ~3 ms on 64 rows of a
     49,152-token vocabulary here, the kernel ~0.5 ms for both); elsewhere torch's ops."""
     if work.device.type == "cpu" and work.numel():
-        from kvcache.models import cpu_kernels
         kernels = cpu_kernels.load()
         if kernels is not None:
             ids, finite = kernels.argmax_finite(work)

@@ -39,6 +39,23 @@ class Swapped:
 
 
 @dataclass(slots=True)
+class _Admission:
+    """What admitting a waiting sequence this step takes (Scheduler._plan_admission)."""
+
+    prefix: list[int]  # the pool's cached blocks of its prompt
+    loaded: list[bytes]  # blocks after them that the offload tiers hold (loaded before the forward)
+    cached: int  # tokens it starts with computed
+    slots: int  # cache slots those take (fewer than `cached` after eviction)
+    n: int  # tokens it computes this step
+    need: int  # fresh blocks
+    swapped: Swapped | None  # where it was swapped out
+    first_new: int | None  # lpm: the hash of its first uncached block
+
+
+_SKIP, _STOP = object(), object()  # _plan_admission: not this sequence this step; no more admissions this step
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
@@ -198,83 +215,98 @@ class Scheduler:
             self._logit_rows -= n
 
     def _admit(self, scheduled: dict[int, int], budget: int) -> int:
+        """Admit waiting sequences, FCFS or longest prefix match first (lpm), while the token budget, max_num_seqs
+        and the free blocks allow; each one's tokens this step go in `scheduled`. Returns the budget left."""
         lpm = (self.config.scheduling_policy == "lpm" and self.kv.prefix_caching is not None
                and len(self.waiting) <= LPM_MAX_QUEUE)
         order = list(self.waiting)
         if lpm:  # stable: FCFS among equals
-            hits = {s.seq_id: len(self.kv.find_prefix(s.seq_id, s.token_ids, s.extra_key, s.max_cached_prefix)) for s in order}
+            hits = {s.seq_id: len(self.kv.find_prefix(s.seq_id, s.token_ids, s.extra_key, s.max_cached_prefix))
+                    for s in order}
             order.sort(key=lambda s: -hits[s.seq_id])
         computing: set[int] = set()  # lpm: hashes of the first uncached block of each prompt admitted now
-        bs = self.kv.block_size
         for seq in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            # Looked up again right before allocating: an admission earlier in this loop may have evicted
-            # blocks of the prefix found while sorting.
-            swapped = self._swapped.get(seq.seq_id)
-            if swapped is not None and swapped.compacted:
-                prefix = []  # its blocks hold what eviction kept, not its tokens' blocks
-            else:
-                prefix = self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key, seq.max_cached_prefix)
-            first_new = None
-            if lpm and swapped is None and len(prefix) < (seq.num_tokens - 1) // bs:  # a block it could take
-                first_new = self.kv.block_hashes(seq.seq_id, seq.token_ids, seq.extra_key)[len(prefix)]
-                if first_new in computing:
-                    continue  # share it next step instead of computing it twice now
-            if swapped is not None:  # resumes where it was, or past it if the pool caches more of its prompt
-                loaded, cached = [], max(swapped.computed, len(prefix) * bs)
-            else:
-                loaded = self._offloaded(seq, len(prefix)) if self.offload else []
-                cached = (len(prefix) + len(loaded)) * bs
-            slots = cached - seq.num_evicted  # a swapped sequence keeps what eviction left
-            remaining = seq.num_tokens - cached
-            n = self._logit_cap(seq, min(remaining, budget))
-            if n == 0:
+            plan = self._plan_admission(seq, budget, lpm, computing)
+            if plan is _STOP:
                 break
-            if n < remaining and not self.config.enable_chunked_prefill:
-                break
-            # Gate: keep a reserve for running sequences to grow into, so admitting this
-            # one does not force a preemption a few steps later.
-            need = self.kv.blocks_needed(seq.seq_id, slots + n, prefix)
-            reserve = self.watermark + len(self.running)  # one fresh block each
-            if self.running and need + reserve > self.kv.num_free_blocks:
-                break
-            if need > self.kv.num_free_blocks:
-                break
-            if swapped is not None:
-                del self._swapped[seq.seq_id]
-                skip = min(len(prefix), swapped.table_blocks)
-                rows = self.offload.swap_in(seq.seq_id, skip)
-                if rows is None:  # the tier could not hand it back: recompute it, from the next step
-                    self.num_swap_fallbacks += 1
-                    self._restart(seq)
-                    continue
-            if not self.kv.allocate(seq.seq_id, slots + n, prefix):  # cannot happen: checked just above
-                raise RuntimeError(f"allocating {need} KV blocks failed with {self.kv.num_free_blocks} free")
-            if swapped is not None:
-                table = self.kv.block_tables[seq.seq_id]
-                self.loads.append((table[skip:swapped.table_blocks] + self.kv.private_blocks.get(seq.seq_id, []),
-                                   rows))
-                if swapped.compacted:
-                    self.kv.mark_compacted(seq.seq_id)
-                self.num_swapped_in += 1
-            elif loaded:  # fresh blocks after the pool's prefix, filled from the tiers before the forward
-                self.loads.append((self.kv.block_tables[seq.seq_id][len(prefix):len(prefix) + len(loaded)], loaded))
-                # Findable at once (their content is final before any forward reads them): a prompt admitted
-                # after this one in the same step shares them instead of loading them again.
-                self.kv.cache_blocks(seq.seq_id, seq.token_ids, cached, seq.extra_key)
-            self._found.pop(seq.seq_id, None)
-            self.waiting.remove(seq)
-            if not seq.prefix_counted and seq.index == 0:  # once per request, at admission (vLLM's counting)
-                seq.prefix_counted = True
-                seq.num_cached_tokens = cached
-                self.kv.record_lookup(seq.num_tokens, cached)
-            seq.num_computed_tokens = cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            scheduled[seq.seq_id] = n
-            budget -= n
-            self._take_logit_rows(seq, n)
-            if first_new is not None:
-                computing.add(first_new)
+            if plan is _SKIP or not self._take(seq, plan):
+                continue
+            scheduled[seq.seq_id] = plan.n
+            budget -= plan.n
+            self._take_logit_rows(seq, plan.n)
+            if plan.first_new is not None:
+                computing.add(plan.first_new)
         return budget
+
+    def _plan_admission(self, seq: Sequence, budget: int, lpm: bool, computing: set[int]):
+        """What admitting `seq` now takes (an _Admission), or _SKIP (not this step: lpm shares its first new block
+        with a prompt admitted now) or _STOP (no room: nothing after it in the queue is admitted either)."""
+        bs = self.kv.block_size
+        # Looked up again right before allocating: an admission earlier in this step may have evicted blocks of
+        # the prefix found while sorting.
+        swapped = self._swapped.get(seq.seq_id)
+        if swapped is not None and swapped.compacted:
+            prefix = []  # its blocks hold what eviction kept, not its tokens' blocks
+        else:
+            prefix = self.kv.find_prefix(seq.seq_id, seq.token_ids, seq.extra_key, seq.max_cached_prefix)
+        first_new = None
+        if lpm and swapped is None and len(prefix) < (seq.num_tokens - 1) // bs:  # a block it could take
+            first_new = self.kv.block_hashes(seq.seq_id, seq.token_ids, seq.extra_key)[len(prefix)]
+            if first_new in computing:
+                return _SKIP  # share it next step instead of computing it twice now
+        if swapped is not None:  # resumes where it was, or past it if the pool caches more of its prompt
+            loaded, cached = [], max(swapped.computed, len(prefix) * bs)
+        else:
+            loaded = self._offloaded(seq, len(prefix)) if self.offload else []
+            cached = (len(prefix) + len(loaded)) * bs
+        slots = cached - seq.num_evicted  # a swapped sequence keeps what eviction left
+        remaining = seq.num_tokens - cached
+        n = self._logit_cap(seq, min(remaining, budget))
+        if n == 0 or (n < remaining and not self.config.enable_chunked_prefill):
+            return _STOP
+        # Gate: keep a reserve for running sequences to grow into, so admitting this one does not force a
+        # preemption a few steps later.
+        need = self.kv.blocks_needed(seq.seq_id, slots + n, prefix)
+        reserve = self.watermark + len(self.running)  # one fresh block each
+        if (self.running and need + reserve > self.kv.num_free_blocks) or need > self.kv.num_free_blocks:
+            return _STOP
+        return _Admission(prefix, loaded, cached, slots, n, need, swapped, first_new)
+
+    def _take(self, seq: Sequence, plan: _Admission) -> bool:
+        """Allocate `seq`'s blocks as planned, queue its loads from a tier, and move it to running; False where a
+        swapped sequence's tier could not hand its KV back (it is recomputed from the next step instead)."""
+        swapped, prefix = plan.swapped, plan.prefix
+        if swapped is not None:
+            del self._swapped[seq.seq_id]
+            skip = min(len(prefix), swapped.table_blocks)
+            rows = self.offload.swap_in(seq.seq_id, skip)
+            if rows is None:
+                self.num_swap_fallbacks += 1
+                self._restart(seq)
+                return False
+        if not self.kv.allocate(seq.seq_id, plan.slots + plan.n, prefix):  # cannot happen: planned just before
+            raise RuntimeError(f"allocating {plan.need} KV blocks failed with {self.kv.num_free_blocks} free")
+        if swapped is not None:
+            table = self.kv.block_tables[seq.seq_id]
+            self.loads.append((table[skip:swapped.table_blocks] + self.kv.private_blocks.get(seq.seq_id, []), rows))
+            if swapped.compacted:
+                self.kv.mark_compacted(seq.seq_id)
+            self.num_swapped_in += 1
+        elif plan.loaded:  # fresh blocks after the pool's prefix, filled from the tiers before the forward
+            self.loads.append((self.kv.block_tables[seq.seq_id][len(prefix):len(prefix) + len(plan.loaded)],
+                               plan.loaded))
+            # Findable at once (their content is final before any forward reads them): a prompt admitted after
+            # this one in the same step shares them instead of loading them again.
+            self.kv.cache_blocks(seq.seq_id, seq.token_ids, plan.cached, seq.extra_key)
+        self._found.pop(seq.seq_id, None)
+        self.waiting.remove(seq)
+        if not seq.prefix_counted and seq.index == 0:  # once per request, at admission (vLLM's counting)
+            seq.prefix_counted = True
+            seq.num_cached_tokens = plan.cached
+            self.kv.record_lookup(seq.num_tokens, plan.cached)
+        seq.num_computed_tokens = plan.cached
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True

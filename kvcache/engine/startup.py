@@ -12,7 +12,7 @@ import itertools
 import logging
 import numbers
 
-from kvcache.native import host_memory
+from kvcache import native
 from kvcache.attention.backend import resolve_backend, with_backend_write
 from kvcache.compress.spec import EvictionSpec
 from kvcache.config import EngineConfig
@@ -32,6 +32,7 @@ from kvcache.memory.kv_cache_manager import KVCacheManager
 from kvcache.memory.kv_events import KVEventLog
 from kvcache.memory.layer_groups import GroupedKVCacheManager
 from kvcache.messages import describe
+from kvcache.native import host_memory
 from kvcache.models.llama import layer_windows
 from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
 from kvcache.offload.offloader import make_offloader, offload_tiers
@@ -201,7 +202,6 @@ class EngineStartup:
         """The C++ kernels' variant this CPU engine runs (kvcache.native), or None where they cannot run (it said why
         once). Refused, with the reason, where the configuration needs them: quantized weights (their kernels are the
         int8/int4 matrix products), or a KVCACHE_CPU_ISA this CPU or build cannot run."""
-        from kvcache import native
         if config.quantization != "none":
             try:
                 return native.require().isa
@@ -219,7 +219,6 @@ class EngineStartup:
                      f" with {config.quantization} linear layers" if config.quantization != "none" else ""), self.device, self.backend,
                  why, self.budget)
         if self.device.type == "cpu":
-            from kvcache import native
             log.info("CPU kernels: %s", native.describe())
         log.info("KV cache (%s): %s, %s (%s)%s; maximum concurrency for %s tokens per request: %.2fx", self.kv_dtype,
                  pool_tokens(c.num_blocks, c.block_size, c.layers_per_block, self.shape.num_kv_layers),

@@ -12,6 +12,11 @@ from kvcache.memory.block_hash import BlockKey
 from kvcache.memory.kv_events import KVEventLog
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
 class OutOfBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 

@@ -21,16 +21,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvcache.memory.block_hash import BlockKey, chain_hashes
-from kvcache.memory.block_pool import BlockPool, OutOfBlocksError
+from kvcache.memory.block_pool import BlockPool, OutOfBlocksError, blocks_for
+from kvcache.memory.compaction import TableCompaction
 from kvcache.memory.kv_events import KVEventLog, stored_runs
 from kvcache.memory.radix_cache import RadixCache, RadixNode
 
 PrefixCaching = Literal["hash", "radix"]
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold `num_tokens` tokens."""
-    return -(-num_tokens // block_size)
 
 
 @dataclass(slots=True)
@@ -57,7 +53,7 @@ class _SeqCache:
     stopped: bool = False  # a block under one of its hashes is held with another chain: none more is registered
 
 
-class KVCacheManager:
+class KVCacheManager(TableCompaction):
     """Owns every sequence's block table: grows it as tokens arrive, shares it on fork and on
     prefix-cache hits, frees it on finish."""
 
@@ -403,72 +399,6 @@ class KVCacheManager:
             if child.locked:
                 self.radix.lock(p.node)
         return copies
-
-    def compact(self, seq_id: int, num_tokens: int, freed: list[int] | None = None) -> tuple[list[int], list[int]] | None:
-        """Shrink the table of `seq_id` to `num_tokens` tokens for eviction's compaction.
-
-        Returns (old table, new table): the caller moves the surviving tokens from slots of the old
-        table to the first `num_tokens` slots of the new one before anything else is allocated. A block
-        of the old table is written in place only if the sequence holds it alone and it is not in the
-        prefix cache; a shared or cached block is never written (its survivors go to a fresh block and
-        it stays in the prefix cache, findable and reclaimable). Blocks short: in the hash index, own
-        cached blocks are taken out of it and written in place; None (and no change) if still short.
-        Afterwards the sequence's blocks no longer match its tokens, so none of them is cached again.
-        With `freed`, the old blocks it lets go are appended there for the caller to free (after other tables that
-        share the pool have taken their fresh blocks: those must not be blocks whose survivors are still to move).
-        """
-        table = self.block_tables[seq_id]
-        n = blocks_for(num_tokens, self.block_size)
-        if n > len(table):
-            raise ValueError(f"cannot compact sequence {seq_id} to {num_tokens} tokens: it holds {len(table)} blocks")
-        if self._released.get(seq_id):
-            raise ValueError(f"cannot compact sequence {seq_id}: its leading blocks were given back")
-        pool = self.pool
-        own = self._own(table[:n])
-        short = own.count(False) - self.num_free_blocks
-        if short > 0 and not self.radix:
-            cached_own = [i for i in range(n) if not own[i] and pool.ref_counts[table[i]] == 1]
-            if len(cached_own) < short:
-                return None
-            for i in cached_own[:short]:
-                pool.uncache(table[i])
-                own[i] = True
-        elif short > 0:
-            return None
-        fresh = iter(self._take_free(own.count(False)))
-        new = [b if ok else next(fresh) for b, ok in zip(table, own)]
-        kept = set(new)
-        gone = [b for b in table[::-1] if b not in kept]
-        if freed is None:
-            pool.free(gone)
-        else:
-            freed.extend(gone)
-        self.block_tables[seq_id] = new
-        self._changed.add(seq_id)
-        entry = self._seqs.pop(seq_id, None)
-        if entry is not None and entry.locked:
-            self.radix.unlock(entry.node)
-        self._compacted.add(seq_id)
-        return table, new
-
-    def _own(self, blocks: list[int]) -> list[bool]:
-        """Per block: whether the sequence holds it alone, outside the prefix cache (compaction may write it)."""
-        return [self.pool.ref_counts[b] == 1 and self.pool.keys[b] is None for b in blocks]
-
-    def compact_needs(self, seq_id: int, num_tokens: int) -> int:
-        """Fresh blocks `compact(seq_id, num_tokens)` takes: one per block it may not write in place."""
-        return self._own(self.block_tables[seq_id][:blocks_for(num_tokens, self.block_size)]).count(False)
-
-    def is_compacted(self, seq_id: int) -> bool:
-        """Whether eviction compacted `seq_id`'s table (its blocks no longer match its tokens)."""
-        return seq_id in self._compacted
-
-    def mark_compacted(self, seq_id: int) -> None:
-        """Record that `seq_id`'s table holds compacted KV (a swapped sequence restored into fresh blocks): none of
-        its blocks is ever cached."""
-        if seq_id not in self.block_tables:
-            raise ValueError(f"sequence {seq_id} has no block table")
-        self._compacted.add(seq_id)
 
     def release_scrubbed(self, seq_id: int) -> list[int]:
         """Free `seq_id` (a sequence the engine failed: its K/V may be NaN or garbage) and return the blocks that no

@@ -4,8 +4,8 @@ PyTorch's ops.
 
 - `pack_panels`, `panel_linear`: the float32 linear layers' product, on weights packed in panels of 32 output
   channels (llama.py's Dense.pack; on 2 MiB pages where the OS gives them, native.huge_page_zeros); it streams the
-  weights from memory faster than oneDNN's linear at decode's row counts, and each row's result does not depend on
-  the rows beside it.
+  weights from memory faster than oneDNN's linear at decode's row counts on the machines measured (`kvcache bench
+  linear`; docs/kernels.md), and each row's result does not depend on the rows beside it.
 - `code_panel_linear`: panel_linear on a GGUF grid's codes (Q4_0/Q4_1 4-bit, Q8_0 8-bit, a float32 scale and minimum
   per 32 inputs) that decode to the float32 weights bit for bit: a step of up to code_rows() rows (8 with AVX-512 or
   AVX2, 0 in the plain build) reads 0.75-1.25 bytes a weight instead of 4 and decodes them in registers (llama.py's
@@ -30,7 +30,7 @@ Each kernel has an AVX-512 version, an AVX2 + FMA one (8 floats a register, 16 r
 (csrc/isa.h); where a version exists for a wider instruction set only, the narrower variants run the plain one.
 
 A decode step of a small model is a few hundred tiny ops, and on one core their Python dispatch costs as much as
-reading the weights; each of these replaces several of them (figures: docs/cpu-speed-history.md).
+reading the weights; each of these replaces several of them (figures: docs/kernels.md, docs/cpu-speed-history.md).
 """
 from __future__ import annotations
 

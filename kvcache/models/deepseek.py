@@ -36,7 +36,12 @@ from transformers import PretrainedConfig
 
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.attention.paged import Workspace, _attend, gather_blocks, paged_attention
-from kvcache.models.llama import CheckpointReader, Dense, LlamaModel, apply_rope, rms_norm, select_rows
+from kvcache.models.checkpoint import CheckpointReader
+from kvcache.models.decoder_layer import select_rows
+from kvcache.models.linear import Dense
+from kvcache.models.llama import LlamaModel
+from kvcache.models.norm import rms_norm
+from kvcache.models.rope import apply_rope
 
 
 def _positive(cfg: PretrainedConfig, field: str, allow_none: bool = False) -> None:

@@ -25,7 +25,9 @@ from transformers import PretrainedConfig
 
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.attention.paged import Workspace, paged_attention
-from kvcache.models.llama import Dense, DecoderLayer, LlamaModel, select_rows
+from kvcache.models.decoder_layer import DecoderLayer, select_rows
+from kvcache.models.linear import Dense
+from kvcache.models.llama import LlamaModel
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
 

@@ -5,9 +5,9 @@ Decode on a CPU is bound by reading the weights: every step reads all of them fo
 with one float32 scale per output channel (symmetric, amax / 127, as vLLM's and llm.int8's per-channel weight
 quantization), they are a quarter of float32's bytes, and a C++ kernel (cpu_kernels.py, compiled on first use)
 multiplies them straight from int8: each weight row is loaded once, widened to float32 in
-registers and used for up to 8 activation rows. Measured here on a 576 x 3,072 layer streaming from memory:
-0.065 ms per row against float32's 0.38 (1 row), 0.25 against 1.0 (8 rows); past about 32 rows float32's GEMM
-is faster, so larger batches (prefill) dequantize the weight and use it.
+registers and used for up to 8 activation rows. Up to KERNEL_MAX_ROWS rows that beat float32's GEMM on the machines
+measured (docs/kernels.md); past it float32's GEMM is faster, so larger batches (prefill) dequantize the weight and
+use it.
 
 Activations stay in the compute dtype (float32 by default): only the weights are rounded, once, as they load.
 
@@ -17,8 +17,8 @@ gives back its own codes, so on such a checkpoint int4 costs nothing beyond the 
 are quantized on the fly to int8 per group of 32 (Q8_1) and the kernel multiplies codes by them with AVX512-VNNI's
 u8 x s8 dot product: a weight costs 0.625 bytes (float32: 4), and a row's products are integer sums. The weights are
 stored for vertical dot products (16 output rows per instruction, see pack_int4), so that one kernel serves every
-batch size: measured here on a 576 x 1,536 layer, 2 threads, 120 GFLOP/s at one row (float32: 20), 370-460 from 8
-to 512 rows (float32: 65-130). Prefill and large decode batches run it too, and compute what one row computes.
+batch size, ahead of float32's product from one row to prefill's hundreds on the machines measured (docs/kernels.md).
+Prefill and large decode batches run it too, and compute what one row computes.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from torch import nn
 
 from kvcache.models import cpu_kernels
 
-KERNEL_MAX_ROWS = 32  # up to this many rows the int8 kernel beats dequantizing + float32 GEMM on this CPU
+KERNEL_MAX_ROWS = 32  # up to this many rows the int8 kernel beat dequantizing + float32 GEMM (docs/kernels.md)
 
 
 def _kernel(x: torch.Tensor):
@@ -296,8 +296,8 @@ class Int4Dense(nn.Module):
 class Q8Dense(Int4Dense):
     """y = x W^T + b with W in GGUF's Q8_0 (8-bit codes per group of 32 with a float16 scale; quantize_q8) in the
     blocked layout of pack_q8, multiplied by the int4 kernel's machinery (cpu_kernels.q8_linear: int8 activations,
-    VNNI's u8 x s8 dot products), so that it scales with the rows as Int4Dense does: measured here on a 49,152 x 576
-    LM head, 2 threads, 5 rows cost ~1.3x one row, against ~2x for Int8Dense's float32-activation kernel. It is the
+    VNNI's u8 x s8 dot products), so that it scales with the rows as Int4Dense does: a few rows cost little more
+    than one, where Int8Dense's float32-activation kernel costs more per extra row (docs/kernels.md). It is the
     LM head (and tied embedding) under --quantization int4, as llama.cpp's Q4_1 GGUFs keep it in Q8_0."""
 
     BITS = 8

@@ -28,9 +28,9 @@ def keep_freed_host_memory(nbytes: int = HOST_HEAP_BYTES) -> bool:
     """Have glibc's malloc serve allocations below `nbytes` from its heap and keep up to `nbytes` of what is freed
     for reuse, instead of mapping fresh pages for each large tensor and handing them back when it is freed. A CPU
     step allocates its activations anew (tens of MB at 2,048 tokens), and the kernel zeroed and faulted in every
-    page of them each time: ~2% of a prefill step in page faults (perf), and a prefill of 11,445 tokens on the demo
-    model ran 13.7-14.0 s against 12.9-13.1 with this. The cost: the process keeps up to `nbytes` of freed heap
-    (its peak activations) instead of returning it; what start-up left free is handed back first (trim_heap).
+    page of them each time, a share of every prefill step that this saves (measured: docs/kernels.md). The cost:
+    the process keeps up to `nbytes` of freed heap (its peak activations) instead of returning it; what start-up
+    left free is handed back first (trim_heap).
     Linux with glibc only; KVCACHE_KEEP_FREED_MEMORY=0 leaves malloc as it is. Whether it applied."""
     libc = _libc()
     if os.environ.get("KVCACHE_KEEP_FREED_MEMORY", "1") == "0" or libc is None:
@@ -42,7 +42,7 @@ def keep_freed_host_memory(nbytes: int = HOST_HEAP_BYTES) -> bool:
 def trim_heap() -> None:
     """Hand the heap's free pages back to the OS (glibc's malloc_trim). Loading calls it as weights move into
     their packed copies on mappings of their own (huge_page_zeros): the heap memory they leave would otherwise stay
-    resident, unused, until start-up ends (+350 MiB at the peak of the demo model's loading)."""
+    resident, unused, until start-up ends, raising the peak of loading (the demo model's: docs/kernels.md)."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
@@ -55,8 +55,8 @@ def huge_page_zeros(shape: tuple[int, ...], dtype, touch: bool = True):
     """A zeroed CPU tensor on its own anonymous mapping, 2 MiB-aligned and marked MADV_HUGEPAGE, so that where
     transparent huge pages are enabled for madvise (Debian's default) the kernel backs it with 2 MiB pages: one TLB
     entry where 4 KiB pages take 512. For what a step streams from memory and no cache holds (the packed weights,
-    the KV blocks): on the demo model, its weights were read 1.04-1.28x faster at one row and 1.04-1.07x at 8
-    (`kvcache bench linear`), decode attention 1.10-1.13x (`kvcache bench attention`). Below 2 MiB, off Linux, or
+    the KV blocks), which both read faster from huge pages on the machines measured (`kvcache bench linear`,
+    `kvcache bench attention`; figures in docs/kernels.md). Below 2 MiB, off Linux, or
     with KVCACHE_HUGE_PAGES=0: torch.zeros; where the kernel refuses the advice, small pages. The pages are written
     here (`touch`), so the memory is resident from the start, as torch.zeros's is; a caller about to write every
     byte itself (pack_panels) passes touch=False: a fresh mapping reads as zeros already."""

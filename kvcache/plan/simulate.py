@@ -60,115 +60,149 @@ def simulate(trace: list[TraceRequest], allocator: Allocator, *, step_s: float =
     """Replay `trace` through `allocator` (see the module docstring for the time model)."""
     if not step_s > 0 or max_num_seqs < 1:
         raise ValueError(f"need step_s > 0 and max_num_seqs >= 1, got step_s={step_s}, max_num_seqs={max_num_seqs}")
-    pool = allocator.pool_tokens
-    pending = deque(sorted(range(len(trace)), key=lambda i: trace[i].arrival_s))
-    waiting: deque[int] = deque()
-    running: list[int] = []  # admission order: newest last
-    held: dict[int, int] = {}
-    arrived_step: dict[int, int] = {}
-    started: set[int] = set()
-    waited = oom = preemptions = finished = 0
-    makespan = 0.0
-    steps = idle_steps = 0  # idle: skipped steps with nothing queued or running, counted as empty
-    util_sum = util_n = util_peak = 0.0
-    usage_sum = usage_peak = conc_sum = ext_sum = 0.0
-    conc_peak = 0
-    times: list[float] = []
-    utils: list[float] = []
-    usages: list[float] = []
-    step = 0
-    while pending or waiting or running:
-        if not waiting and not running:
-            # jump over an idle gap instead of stepping through it; it still counts as empty time
-            first = math.ceil(trace[pending[0]].arrival_s / step_s - 1e-9)
-            if first > step:
-                idle_steps += first - step
-                times.append(step * step_s)
-                utils.append(math.nan)
-                usages.append(0.0)
-                step = first
-        now = step * step_s
-        while pending and trace[pending[0]].arrival_s <= now + 1e-9:
-            rid = pending.popleft()
-            if allocator.fits_ever(trace[rid].prompt_tokens + trace[rid].output_tokens):
-                waiting.append(rid)
-                arrived_step[rid] = step
-            else:
-                oom += 1
+    replay = _Replay(trace, allocator, step_s, max_num_seqs)
+    while replay.pending or replay.waiting or replay.running:
+        replay.skip_idle_gap()
+        replay.arrive()
+        preempted = replay.grow()
+        if not preempted:
+            replay.admit()
+        replay.measure()
+        replay.finish()
+        replay.step += 1
+    return replay.result()
 
+
+class _Replay:
+    """The state of one simulate() run: the queues, what each running request holds, and the running sums."""
+
+    def __init__(self, trace: list[TraceRequest], allocator: Allocator, step_s: float, max_num_seqs: int) -> None:
+        self.trace, self.allocator, self.step_s, self.max_num_seqs = trace, allocator, step_s, max_num_seqs
+        self.pending = deque(sorted(range(len(trace)), key=lambda i: trace[i].arrival_s))
+        self.waiting: deque[int] = deque()
+        self.running: list[int] = []  # admission order: newest last
+        self.held: dict[int, int] = {}
+        self.arrived_step: dict[int, int] = {}
+        self.started: set[int] = set()
+        self.waited = self.oom = self.preemptions = self.finished = 0
+        self.makespan = 0.0
+        self.step = self.steps = self.idle_steps = 0  # idle: skipped steps with nothing queued or running
+        self.util_sum = self.util_n = self.util_peak = 0.0
+        self.usage_sum = self.usage_peak = self.conc_sum = self.ext_sum = 0.0
+        self.conc_peak = 0
+        self.times: list[float] = []
+        self.utils: list[float] = []
+        self.usages: list[float] = []
+
+    def skip_idle_gap(self) -> None:
+        """With nothing queued or running, jump to the next arrival's step; the gap still counts as empty time."""
+        if self.waiting or self.running:
+            return
+        first = math.ceil(self.trace[self.pending[0]].arrival_s / self.step_s - 1e-9)
+        if first > self.step:
+            self.idle_steps += first - self.step
+            self.times.append(self.step * self.step_s)
+            self.utils.append(math.nan)
+            self.usages.append(0.0)
+            self.step = first
+
+    def arrive(self) -> None:
+        """Queue the requests whose arrival time has come; drop (as oom) one that would not fit the empty pool."""
+        now = self.step * self.step_s
+        while self.pending and self.trace[self.pending[0]].arrival_s <= now + 1e-9:
+            rid = self.pending.popleft()
+            r = self.trace[rid]
+            if self.allocator.fits_ever(r.prompt_tokens + r.output_tokens):
+                self.waiting.append(rid)
+                self.arrived_step[rid] = self.step
+            else:
+                self.oom += 1
+
+    def grow(self) -> bool:
+        """Give every running request one more token, preempting the newest while the pool cannot; whether any
+        request was preempted."""
         preempted = False
         i = 0
-        while i < len(running):
-            rid = running[i]
-            while not allocator.grow(rid, held[rid] + 1):
-                victim = running.pop()
-                allocator.release(victim)
-                del held[victim]
-                waiting.appendleft(victim)
-                preemptions += 1
+        while i < len(self.running):
+            rid = self.running[i]
+            while not self.allocator.grow(rid, self.held[rid] + 1):
+                victim = self.running.pop()
+                self.allocator.release(victim)
+                del self.held[victim]
+                self.waiting.appendleft(victim)
+                self.preemptions += 1
                 preempted = True
                 if victim == rid:
                     break
             else:
-                held[rid] += 1
+                self.held[rid] += 1
                 i += 1
+        return preempted
 
-        while not preempted and waiting and len(running) < max_num_seqs:
-            r = trace[waiting[0]]
-            if not allocator.admit(waiting[0], r.prompt_tokens, r.prompt_tokens + r.output_tokens,
-                                   r.prefix_group, r.prefix_tokens):
+    def admit(self) -> None:
+        """Admit from the head of the queue while the allocator accepts and fewer than max_num_seqs run."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            r = self.trace[self.waiting[0]]
+            if not self.allocator.admit(self.waiting[0], r.prompt_tokens, r.prompt_tokens + r.output_tokens,
+                                        r.prefix_group, r.prefix_tokens):
                 break
-            rid = waiting.popleft()
-            running.append(rid)
-            held[rid] = r.prompt_tokens + 1
-            if rid not in started:
-                started.add(rid)
-                waited += arrived_step[rid] != step
-        if not running and waiting:
-            raise RuntimeError(f"request {waiting[0]} fits the empty pool but {allocator.name} refused it")
+            rid = self.waiting.popleft()
+            self.running.append(rid)
+            self.held[rid] = r.prompt_tokens + 1
+            if rid not in self.started:
+                self.started.add(rid)
+                self.waited += self.arrived_step[rid] != self.step
+        if not self.running and self.waiting:
+            raise RuntimeError(f"request {self.waiting[0]} fits the empty pool but {self.allocator.name} refused it")
 
-        allocated, live = allocator.allocated_tokens(), allocator.live_tokens()
-        free = allocator.free_tokens()
+    def measure(self) -> None:
+        """Add this step's utilization, pool usage, concurrency and external fragmentation to the sums."""
+        allocated, live = self.allocator.allocated_tokens(), self.allocator.live_tokens()
+        free, pool = self.allocator.free_tokens(), self.allocator.pool_tokens
         util = live / allocated if allocated else math.nan
         if allocated:
-            util_sum += util
-            util_n += 1
-            util_peak = max(util_peak, util)
-        usage_sum += allocated / pool
-        usage_peak = max(usage_peak, allocated / pool)
-        conc_sum += len(running)
-        conc_peak = max(conc_peak, len(running))
+            self.util_sum += util
+            self.util_n += 1
+            self.util_peak = max(self.util_peak, util)
+        self.usage_sum += allocated / pool
+        self.usage_peak = max(self.usage_peak, allocated / pool)
+        self.conc_sum += len(self.running)
+        self.conc_peak = max(self.conc_peak, len(self.running))
         if free:
-            ext_sum += 1 - allocator.largest_free_run() / free
-        times.append(now)
-        utils.append(util)
-        usages.append(allocated / pool)
-        steps += 1
+            self.ext_sum += 1 - self.allocator.largest_free_run() / free
+        self.times.append(self.step * self.step_s)
+        self.utils.append(util)
+        self.usages.append(allocated / pool)
+        self.steps += 1
 
+    def finish(self) -> None:
+        """Release the requests that hold their prompt and all their output tokens."""
         still = []
-        for rid in running:
-            r = trace[rid]
-            if held[rid] >= r.prompt_tokens + r.output_tokens:
-                allocator.release(rid)
-                del held[rid]
-                finished += 1
-                makespan = now + step_s
+        for rid in self.running:
+            r = self.trace[rid]
+            if self.held[rid] >= r.prompt_tokens + r.output_tokens:
+                self.allocator.release(rid)
+                del self.held[rid]
+                self.finished += 1
+                self.makespan = self.step * self.step_s + self.step_s
             else:
                 still.append(rid)
-        running = still
-        step += 1
+        self.running = still
 
-    total = steps + idle_steps
-    stride = max(1, math.ceil(len(times) / MAX_TIMELINE_POINTS))
-    mean_util = util_sum / util_n if util_n else 0.0
-    return AllocatorResult(
-        name=allocator.name, pool_tokens=pool, peak_utilization=util_peak, mean_utilization=mean_util,
-        mean_pool_usage=usage_sum / total if total else 0.0, peak_pool_usage=usage_peak,
-        internal_fragmentation=1 - mean_util if util_n else 0.0,
-        external_fragmentation=ext_sum / total if total else 0.0,
-        peak_concurrency=conc_peak, mean_concurrency=conc_sum / total if total else 0.0,
-        waited=waited, oom=oom, preemptions=preemptions, finished=finished, makespan_s=makespan,
-        timeline={"time_s": times[::stride], "utilization": utils[::stride], "pool_usage": usages[::stride]})
+    def result(self) -> AllocatorResult:
+        total = self.steps + self.idle_steps
+        stride = max(1, math.ceil(len(self.times) / MAX_TIMELINE_POINTS))
+        mean_util = self.util_sum / self.util_n if self.util_n else 0.0
+        return AllocatorResult(
+            name=self.allocator.name, pool_tokens=self.allocator.pool_tokens, peak_utilization=self.util_peak,
+            mean_utilization=mean_util, mean_pool_usage=self.usage_sum / total if total else 0.0,
+            peak_pool_usage=self.usage_peak, internal_fragmentation=1 - mean_util if self.util_n else 0.0,
+            external_fragmentation=self.ext_sum / total if total else 0.0,
+            peak_concurrency=self.conc_peak, mean_concurrency=self.conc_sum / total if total else 0.0,
+            waited=self.waited, oom=self.oom, preemptions=self.preemptions, finished=self.finished,
+            makespan_s=self.makespan,
+            timeline={"time_s": self.times[::stride], "utilization": self.utils[::stride],
+                      "pool_usage": self.usages[::stride]})
 
 
 def compare(trace: list[TraceRequest], pool_tokens: int, *, block_sizes: tuple[int, ...] = (1, 16, 64, 256),

@@ -15,28 +15,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("served_model", nargs="?", default=None, metavar="MODEL",
                    help="Hugging Face directory or GGUF file (default: --model, else the SmolLM2-135M demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on, 1..65535 (default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the file or "
                    "directory name)")
     p.add_argument("--api-key", default=os.environ.get("KVCACHE_API_KEY"),
                    help="require Authorization: Bearer KEY on every endpoint but /health and /metrics "
                         "(default: env KVCACHE_API_KEY)")
     p.add_argument("--max-waiting-requests", type=int, default=512,
-                   help="beyond this many queued requests new ones get 503 with Retry-After")
-    p.add_argument("--max-request-body", default="4MiB", help="largest request body accepted")
-    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines")
+                   help="beyond this many queued requests new ones get 503 with Retry-After (default: %(default)s)")
+    p.add_argument("--max-request-body", default="4MiB",
+                   help="largest request body accepted, bytes, e.g. 4MiB (default: %(default)s)")
+    p.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between throughput log lines (default: %(default)s)")
     p.add_argument("--no-kv-page", action="store_true", help="do not serve the live KV cache page (/kv)")
     p.add_argument("--kv-page-show-text", action="store_true",
                    help="show each request's prompt text on the KV page (prompts are user data: off by default)")
     p.add_argument("--replicas", type=int, default=1,
                    help="engine replicas on Ray Serve behind one ingress (a local Ray cluster is started; needs "
-                        "pip install 'ray[serve]')")
+                        "pip install 'ray[serve]') (default: %(default)s, no Ray)")
     p.add_argument("--routing", default="kv-aware", choices=["kv-aware", "round-robin"],
                    help="with --replicas: send a request to the replica holding its longest prefix (balanced against "
-                        "requests in flight), or round-robin")
+                        "requests in flight), or round-robin (default: %(default)s)")
     p.add_argument("--routing-balance", type=float, default=4,
                    help="kv-aware: requests in flight a replica holding a request's prefix may have above the least "
-                        "loaded one and still get it (SGLang's --balance-abs-threshold; 0: spread by load)")
+                        "loaded one and still get it (SGLang's --balance-abs-threshold; 0: spread by load) "
+                        "(default: %(default)s)")
 
 
 def model_name(path: str | None, given: str | None) -> str:

@@ -38,10 +38,11 @@ class MetricsUnreachableError(ConnectionError):
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `kvcache top`."""
     p.add_argument("--url", default="http://127.0.0.1:8000",
-                   help="the server's base URL (its /kv/snapshot?part=health is read, else its /metrics)")
+                   help="the server's base URL (its /kv/snapshot?part=health is read, else its /metrics) "
+                        "(default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("KVCACHE_API_KEY"),
                    help="the server's --api-key, for its KV page's API (default: env KVCACHE_API_KEY)")
-    p.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default: %(default)s)")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit (no screen clearing)")
 
 

@@ -169,8 +169,9 @@ def test_bench_kv_cache_on_off_fits_the_growth_of_both(tiny_llama, tmp_path, cap
 @pytest.mark.parametrize("quant", ["none", "int4"])
 def test_bench_throughput_profile_splits_each_kind_of_step(tiny_llama, tmp_path, capsys, quant):
     from kvcache.attention import cpu_kernel
-    from kvcache.models import llama
-    real = (llama.Dense.forward, llama.paged_attention, cpu_kernel.paged_decode)
+    from kvcache.models import decoder_layer
+    from kvcache.models.linear import Dense
+    real = (Dense.forward, decoder_layer.paged_attention, cpu_kernel.paged_decode)
     out = tmp_path / "tp.json"
     rc = main(["bench", "throughput", "--model", tiny_llama, "--num-prompts", "5", "--input-len", "8:40",
                "--output-len", "4:12", "--seed", "2", "--kv-cache-memory", "4MiB", "--device", "cpu",
@@ -184,7 +185,7 @@ def test_bench_throughput_profile_splits_each_kind_of_step(tiny_llama, tmp_path,
         assert r["kernels"] + r["forward_other"] + r["outside_forward"] == pytest.approx(1)
         assert 0 < r["kernels"] < 1 and r["forward_other"] >= 0 and r["outside_forward"] > 0
     assert "where the time goes" in capsys.readouterr().out
-    assert (llama.Dense.forward, llama.paged_attention, cpu_kernel.paged_decode) == real  # timers removed after
+    assert (Dense.forward, decoder_layer.paged_attention, cpu_kernel.paged_decode) == real  # timers removed after
 
 
 @pytest.mark.bench

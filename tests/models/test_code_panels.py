@@ -1,4 +1,4 @@
-"""Code panels (cpu_kernels' code_panel_linear, llama.py's Dense.pack with EXACT_CODES): float32 weights that are a
+"""Code panels (cpu_kernels' code_panel_linear, linear.py's Dense.pack with EXACT_CODES): float32 weights that are a
 GGUF grid's (Q4_1, Q4_0, Q8_0) kept as codes that decode to them bit for bit. exact_codes finds the grid or says
 there is none; the kernel gives panel_linear's very floats at every row count and shape, one row's in-register path
 included, in every instruction-set variant the CPU runs; and a model on such weights generates the same tokens and
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import kvcache.models.llama as llama
+import kvcache.models.linear as linear
 from kvcache import LLM, SamplingParams
 from kvcache.models import cpu_kernels
 from kvcache.models.quant_linear import exact_codes, quantize_groups, quantize_q8
@@ -121,13 +121,13 @@ def test_a_model_on_grid_weights_decodes_the_same_with_its_codes(grid_llama, mon
     if cpu_kernels.code_rows() == 0:
         pytest.skip(f"the {cpu_isa} variant keeps no codes (code_rows() is 0): its float32 panels serve every step")
     def make(codes: bool):
-        monkeypatch.setattr(llama, "EXACT_CODES", codes)
+        monkeypatch.setattr(linear, "EXACT_CODES", codes)
         return LLM(grid_llama, kv_cache_memory="4MiB", max_model_len=256)
     with_codes, without = make(True), make(False)
     model = with_codes.engine.runner.model
-    linears = [m for m in model.modules() if isinstance(m, llama.Dense)]
+    linears = [m for m in model.modules() if isinstance(m, linear.Dense)]
     assert all(m.codes is not None for m in linears)
-    assert not any(m.codes is not None for m in without.engine.runner.model.modules() if isinstance(m, llama.Dense))
+    assert not any(m.codes is not None for m in without.engine.runner.model.modules() if isinstance(m, linear.Dense))
     assert model.decode_stack is not None
     # a step reads the codes (the rooflines' bytes); memory holds them beside the panels
     plain = without.engine.runner.model

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvcache.models.decoder_layer as decoder_layer
 import kvcache.models.llama as llama
 from kvcache import LLM, SamplingParams
 
 
 def _run(llm: LLM, fused: bool, monkeypatch) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy outputs and the KV store after them, from a fresh engine (the same blocks in both runs)."""
-    monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 32 if fused else 0)
+    monkeypatch.setattr(decoder_layer, "FUSED_MAX_ROWS", 32 if fused else 0)
     store = llm.engine.store
     prompts = [list(range(3 + i, 30 + 5 * i)) for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.models.llama import Dense
+from kvcache.models.linear import Dense
 from kvcache.models.loader import build_model, read_checkpoint
 from tiny_models import TINY_ARCHS
 

@@ -12,7 +12,7 @@ import torch
 from tiny_models import TINY_ARCHS, hf_model
 from kvcache import LLM, SamplingParams
 from kvcache.config import EngineConfig
-from kvcache.models.llama import Dense
+from kvcache.models.linear import Dense
 from kvcache.models.loader import build_model, read_checkpoint
 from kvcache.models.cpu_kernels import has_int4, load
 from kvcache.models.quant_linear import (KERNEL_MAX_ROWS, Int4Dense, Int8Dense, Q8Dense, fake_quantize_activations,
