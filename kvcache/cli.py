@@ -14,11 +14,44 @@ from kvcache.plan.cli import add_commands as add_plan_commands
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, one per EngineConfig field, with vLLM's names."""
+    """Engine flags, one per EngineConfig field, with vLLM's names, in four groups of the help."""
+    _add_model_args(p.add_argument_group("model"))
+    _add_scheduler_args(p.add_argument_group("scheduler"))
+    _add_kv_args(p.add_argument_group("KV cache"))
+    _add_tier_args(p.add_argument_group("offload tiers and KV events"))
+
+
+def _add_model_args(p) -> None:
+    """The model, its dtype and weights' format, where it runs and how (attention, ranks, graphs)."""
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory or GGUF file (default: the SmolLM2-135M demo model)")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="tokens per KV block (default: 16; 64 for the int4/int2 KV cache)")
+    p.add_argument("--dtype", default="auto", help="compute and weight dtype: auto (float32 on CPU, bfloat16 on CUDA), "
+                   "float32, bfloat16, float16 (aliases fp32, bf16, fp16, half) (default: %(default)s)")
+    p.add_argument("--quantization", default="none", choices=list(WEIGHT_QUANTIZATIONS),
+                   help="weights: " + "; ".join(f"{k}: {v}" for k, v in WEIGHT_QUANTIZATIONS.items()) +
+                        " (the quantized formats run on the CPU: a quarter, or a sixth, of float32's bytes per step) "
+                        "(default: %(default)s)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs; auto: the KVCACHE_DEVICE environment variable if set, else CUDA where "
+                        "torch sees a GPU, else the CPU (default: %(default)s)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch", "cpu"],
+                   help="auto: triton kernels on CUDA, the C++ decode kernel on CPU, where they can run; torch: the "
+                        "portable PyTorch path; cpu: the C++ decode kernel (default: %(default)s)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks (processes the engine starts: gloo on CPU, a core "
+                        "each; NCCL on GPUs), KV heads split across them (see docs/parallelism.md) "
+                        "(default: %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eager instead of replaying the decode steps' CUDA graphs captured at "
+                        "start-up (batch sizes 1, 2, 4, 8, then every 8 up to --max-num-seqs)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the engine's seed, not the sampler's: it seeds --kv-eviction random's choice of tokens for "
+                        "requests that have no sampling seed (bench throughput: also its random prompts); token "
+                        "sampling is seeded by --sample-seed (default: %(default)s)")
+
+
+def _add_scheduler_args(p) -> None:
+    """What a step holds, how prompts are admitted and chunked, preemption and speculation."""
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
                    help="requests (sequences) in one engine step at most (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
@@ -27,6 +60,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens of one request at most, prompt and output together (default: the model's context "
                         "length, max_position_embeddings, else 2048)")
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="prefill each prompt in one step, refusing prompts over --max-num-batched-tokens, instead of "
+                        "in chunks spread over steps beside the decodes (default: chunked prefill on)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
+                   help="fcfs, or lpm: longest cached prefix first (FCFS above 128 waiting) (default: %(default)s)")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="recompute: a preempted request's KV is freed and prefilled again when it resumes; swap: it "
+                        "goes to the cpu tier (--kv-offload-memory), else the disk tier, and comes back (recompute "
+                        "when the tier is full) (default: %(default)s)")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, vLLM\'s fields: \'{"method": "ngram", "num_speculative_tokens": '
+                        '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": '
+                        'PATH, "num_speculative_tokens": 4, "quantization": "int4"}\' (see docs/spec-decode.md; '
+                        'default: off)')
+
+
+def _add_kv_args(p) -> None:
+    """The KV cache's size, blocks, storage format, prefix caching and token eviction."""
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB, 500MB, or 25%% (of the GPU's "
                    "memory on CUDA, of available RAM on CPU). Default: on CUDA, what --gpu-memory-utilization "
                    "leaves after the weights and a profiled forward; on CPU 2GiB, at most half of the RAM available "
@@ -34,41 +85,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the device's memory, a fraction in (0, 1], for weights, activations and the "
                         "KV cache (default: %(default)s)")
-    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                   help="prefill each prompt in one step, refusing prompts over --max-num-batched-tokens, instead of "
-                        "in chunks spread over steps beside the decodes (default: chunked prefill on)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share the KV of equal prompt prefixes between requests (default: on)")
-    p.add_argument("--prefix-caching-algo", default="hash", choices=["hash", "radix"],
-                   help="hash: vLLM's hash-chained blocks; radix: SGLang's radix tree (default: %(default)s)")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"],
-                   help="fcfs, or lpm: longest cached prefix first (FCFS above 128 waiting) (default: %(default)s)")
-    p.add_argument("--dtype", default="auto", help="compute and weight dtype: auto (float32 on CPU, bfloat16 on CUDA), "
-                   "float32, bfloat16, float16 (aliases fp32, bf16, fp16, half) (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 16; 64 for the int4/int2 KV cache)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache storage: auto (the compute dtype), float32, float16, bfloat16, fp8_e4m3, fp8_e5m2, "
                         "int8, int4, int2 (fp8/int8 with a scale per token and head; int4/int2 KIVI) "
                         "(default: %(default)s)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where the model runs; auto: the KVCACHE_DEVICE environment variable if set, else CUDA where "
-                        "torch sees a GPU, else the CPU (default: %(default)s)")
-    p.add_argument("--quantization", default="none", choices=list(WEIGHT_QUANTIZATIONS),
-                   help="weights: " + "; ".join(f"{k}: {v}" for k, v in WEIGHT_QUANTIZATIONS.items()) +
-                        " (the quantized formats run on the CPU: a quarter, or a sixth, of float32's bytes per step) "
-                        "(default: %(default)s)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch", "cpu"],
-                   help="auto: triton kernels on CUDA, the C++ decode kernel on CPU, where they can run; torch: the "
-                        "portable PyTorch path; cpu: the C++ decode kernel (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="the engine's seed, not the sampler's: it seeds --kv-eviction random's choice of tokens for "
-                        "requests that have no sampling seed (bench throughput: also its random prompts); token "
-                        "sampling is seeded by --sample-seed (default: %(default)s)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV of equal prompt prefixes between requests (default: on)")
+    p.add_argument("--prefix-caching-algo", default="hash", choices=["hash", "radix"],
+                   help="hash: vLLM's hash-chained blocks; radix: SGLang's radix tree (default: %(default)s)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="models mixing full and sliding-window layers (Gemma-2/3): one block table of every layer, "
+                        "every block kept, instead of a table per layer group whose sliding groups give blocks back")
     p.add_argument("--kv-eviction", default="none", choices=list(POLICIES),
                    help="token eviction policy: streaming (StreamingLLM), h2o, snapkv, tova, pyramidkv, random; "
                         "compacted tokens' blocks go back to the pool (default: %(default)s)")
     p.add_argument("--kv-budget", default=None,
                    help="KV tokens a request keeps under --kv-eviction: tokens (512), or a ratio of its prompt "
                         "(0.25 or 25%%); needed with a policy (default: none)")
+
+
+def _add_tier_args(p) -> None:
+    """Where blocks beyond the pool are kept, and the KV events published for routers."""
     p.add_argument("--kv-offload-memory", default=None,
                    help="keep prefix blocks beyond the pool in this much host memory, e.g. 8GiB (the cpu tier; "
                         "default: no cpu tier)")
@@ -91,25 +130,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "subscriber missed (vLLM's replay_endpoint: send [b'', start_seq as 8 bytes]; default: none)")
     p.add_argument("--kv-events-buffer-steps", type=int, default=10_000,
                    help="KV event batches kept for replay (default: %(default)s)")
-    p.add_argument("--speculative-config", default=None,
-                   help='speculative decoding as JSON, vLLM\'s fields: \'{"method": "ngram", "num_speculative_tokens": '
-                        '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": '
-                        'PATH, "num_speculative_tokens": 4, "quantization": "int4"}\' (see docs/spec-decode.md; '
-                        'default: off)')
-    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
-                   help="models mixing full and sliding-window layers (Gemma-2/3): one block table of every layer, "
-                        "every block kept, instead of a table per layer group whose sliding groups give blocks back")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over this many ranks (processes the engine starts: gloo on CPU, a core "
-                        "each; NCCL on GPUs), KV heads split across them (see docs/parallelism.md) "
-                        "(default: %(default)s)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run every step eager instead of replaying the decode steps' CUDA graphs captured at "
-                        "start-up (batch sizes 1, 2, 4, 8, then every 8 up to --max-num-seqs)")
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                   help="recompute: a preempted request's KV is freed and prefilled again when it resumes; swap: it "
-                        "goes to the cpu tier (--kv-offload-memory), else the disk tier, and comes back (recompute "
-                        "when the tier is full) (default: %(default)s)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -18,8 +18,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvcache.bench.serve import (WORDS, add_args, arrival_offsets, multi_turn_conversations, random_conversations,
-                                 run, shared_prefix_conversations)
+from kvcache.bench.conversations import (WORDS, arrival_offsets, multi_turn_conversations, random_conversations,
+                                         shared_prefix_conversations)
+from kvcache.bench.serve import add_args, run
 
 FIRST_DELAY = 0.03  # s before the first content chunk
 TOKEN_DELAY = 0.005  # s between content chunks
@@ -306,7 +307,6 @@ def test_unreachable_url_and_bad_flags_are_clear_errors(tmp_path):
 
 
 def test_shuffled_shared_prefix_requests_are_the_same_requests_in_another_order():
-    from kvcache.bench.serve import shared_prefix_conversations
     plain = shared_prefix_conversations(4, 3, 8, 4, 5, seed=1)
     mixed = shared_prefix_conversations(4, 3, 8, 4, 5, seed=1, shuffle=True)
     key = lambda c: c.turns[0]  # noqa: E731
