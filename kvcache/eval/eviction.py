@@ -48,12 +48,13 @@ import argparse
 import gc
 import sys
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from kvcache.bench.corpus import PASSKEY_QUESTION, document_windows, load_corpus, passkey_keys, passkey_prompt
-from kvcache.eval.kv_quality import (QualityStats, _fmt, add_text_args, build_engine, chat_wrap, check_positive,
-                                     compare_scores, greedy_outputs, parse_depths, pool_bytes, ppl_delta_pct)
+from kvcache.eval.harness import (Checkpoint, Column, QualityStats, SplitTrial, Table, add_text_args,
+                                  answer_tokens, build_engine, check_positive, compare_scores, each_engine,
+                                  finish_axis, fmt, greedy_outputs, load_checkpoint, new_figure, parse_depths,
+                                  passkey_accuracy, pool_bytes, random_prompts, report, save_figure,
+                                  split_passkey_trials)
 
 if TYPE_CHECKING:  # torch is imported where it is used: `kvcache plan` loads kvcache.eval modules torch-free
     from kvcache.compress.spec import EvictionSpec
@@ -107,57 +108,6 @@ def evaluate_quality(engine, docs: list[list[int]], context_len: int, specs: lis
 
 # ---- passkey retrieval ----------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class SplitTrial:
-    """One passkey prompt cut before its question: the key, its depth (0..1), and the token ids of the
-    context (instruction, filler, key sentence, filler) and of the question (question, end of the chat
-    template, start of the answer), tokenized separately. `joint`: whether tokenizing the whole prompt
-    at once gives the same ids (a merge across the cut would differ)."""
-
-    depth: float
-    key: int
-    context_ids: list[int]
-    question_ids: list[int]
-    joint: bool = True
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.context_ids + self.question_ids
-
-
-def split_passkey_text(text: str) -> tuple[str, str]:
-    """A passkey prompt's text cut right before " What is the pass key?": (context, question)."""
-    at = text.rfind(" " + PASSKEY_QUESTION)
-    if at < 0:
-        raise ValueError(f"the passkey prompt has no {PASSKEY_QUESTION!r}: cannot split it")
-    return text[:at], text[at:]
-
-
-def split_passkey_trials(tokenizer, depths: list[float], per_depth: int, length: int, seed: int = 0) -> list[SplitTrial]:
-    """The chat-template passkey prompts of `kvcache eval kv-quality` (`per_depth` keys at each depth, about
-    `length` tokens each, the same keys for a seed), each split into context and question tokens."""
-    wrap = chat_wrap(tokenizer)
-
-    def encode(text: str) -> list[int]:  # the template writes its special tokens itself
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    trials = []
-    for d, k in passkey_keys(depths, per_depth, seed):
-        text = passkey_prompt(k, d, length, lambda s: len(encode(s)), wrap)
-        context, question = split_passkey_text(text)
-        ctx, q = encode(context), encode(question)
-        trials.append(SplitTrial(d, k, ctx, q, ctx + q == encode(text)))
-    return trials
-
-
-def answer_tokens(tokenizer, key: int, output_ids: list[int]) -> list[int] | None:
-    """The shortest prefix of `output_ids` whose text contains `key`, or None if the whole output lacks it."""
-    for n in range(1, len(output_ids) + 1):
-        if str(key) in tokenizer.decode(output_ids[:n], skip_special_tokens=True):
-            return output_ids[:n]
-    return None
-
-
 def full_cache_answers(engine, trials: list[SplitTrial], max_tokens: int = ANSWER_MAX_TOKENS) -> list[list[int] | None]:
     """Greedy replies of the full cache (all trials in one batch), cut after the key; None where the reply
     lacks the key (a baseline miss)."""
@@ -184,14 +134,6 @@ def reproduces(engine, trial: SplitTrial, answer: list[int], setting: Setting, s
     return logits[len(trial.token_ids) - prompt:].argmax(-1).tolist() == answer
 
 
-def _accuracy(trials: list[SplitTrial], correct: list[bool]) -> dict:
-    by_depth: dict[str, list[bool]] = {}
-    for t, ok in zip(trials, correct):
-        by_depth.setdefault(f"{t.depth:g}", []).append(ok)
-    return {"acc": sum(correct) / len(correct) if correct else None, "correct": sum(correct),
-            "by_depth": {d: sum(v) / len(v) for d, v in by_depth.items()}}
-
-
 def evaluate_passkey(engine, trials: list[SplitTrial], answers: list[list[int] | None], specs: list[EvictionSpec],
                      chunk_size: int | None = None, progress: bool = False) -> tuple[dict, list[dict]]:
     """Accuracy of the full cache (teacher-forced: a check that it reproduces its own replies) and of each
@@ -199,37 +141,21 @@ def evaluate_passkey(engine, trials: list[SplitTrial], answers: list[list[int] |
     {setting: the same})."""
     from tqdm import tqdm
     valid = [(t, a) for t, a in zip(trials, answers) if a is not None]
-    kept = [t for t, _ in valid]
     bar = tqdm(total=len(valid) * (1 + 2 * len(specs)), desc="passkey", disable=not progress, file=sys.stderr)
-    full = []
-    for t, a in valid:
-        full.append(reproduces(engine, t, a, "query_agnostic", None, chunk_size))
-        bar.update(1)
-    runs = []
-    for spec in specs:
-        run = {}
-        for setting in SETTINGS:
-            correct = []
-            for t, a in valid:
-                correct.append(reproduces(engine, t, a, setting, spec, chunk_size))
-                bar.update(1)
-            run[setting] = _accuracy(kept, correct)
-        runs.append(run)
+
+    def accuracy(setting: Setting, spec: EvictionSpec | None) -> dict:
+        correct = []
+        for t, a in valid:
+            correct.append(reproduces(engine, t, a, setting, spec, chunk_size))
+            bar.update(1)
+        return passkey_accuracy([t for t, _ in valid], correct)
+    full = accuracy("query_agnostic", None)
+    runs = [{setting: accuracy(setting, spec) for setting in SETTINGS} for spec in specs]
     bar.close()
-    return _accuracy(kept, full), runs
+    return full, runs
 
 
 # ---- memory and throughput ------------------------------------------------------------------------------
-
-def random_prompts(engine, count: int, length: int, seed: int = 0) -> list[list[int]]:
-    """`count` prompts of `length` uniformly random token ids, none of them special or end-of-sequence."""
-    import numpy as np
-    vocab = engine.model.config.vocab_size
-    special = set(getattr(engine.tokenizer, "all_special_ids", []) or []) | engine.eos_token_ids
-    allowed = np.setdiff1d(np.arange(vocab), np.array(sorted(special), dtype=np.int64))
-    rng = np.random.default_rng(seed)
-    return [allowed[rng.integers(0, len(allowed), length)].tolist() for _ in range(count)]
-
 
 def measure_throughput(engine, prompts: list[list[int]], max_tokens: int, spec: EvictionSpec | None) -> dict:
     """Submit every prompt at once (greedy, `max_tokens` each, `spec`'s eviction) to a fresh engine and
@@ -267,17 +193,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    f"(default {DEFAULT_POLICIES})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help="KV budgets, ratios of the prompt in (0, 1] "
                    f"(default {DEFAULT_BUDGETS})")
-    p.add_argument("--context-len", type=int, default=1024, help="prompt tokens of each document (compacted)")
-    p.add_argument("--continuation", type=int, default=128, help="tokens after the prompt, teacher-forced and scored")
-    p.add_argument("--capacity-memory", default="96MiB", help="float32 KV pool of the memory/throughput runs")
-    p.add_argument("--capacity-requests", type=int, default=12, help="requests submitted at once per run")
-    p.add_argument("--capacity-prompt-len", type=int, default=1024, help="random prompt tokens of each request")
-    p.add_argument("--capacity-max-tokens", type=int, default=64, help="tokens each request generates")
+    p.add_argument("--context-len", type=int, default=1024, help="prompt tokens of each document (compacted) (default: %(default)s)")
+    p.add_argument("--continuation", type=int, default=128, help="tokens after the prompt, teacher-forced and scored (default: %(default)s)")
+    p.add_argument("--capacity-memory", default="96MiB", help="float32 KV pool of the memory/throughput runs (default: %(default)s)")
+    p.add_argument("--capacity-requests", type=int, default=12, help="requests submitted at once per run (default: %(default)s)")
+    p.add_argument("--capacity-prompt-len", type=int, default=1024, help="random prompt tokens of each request (default: %(default)s)")
+    p.add_argument("--capacity-max-tokens", type=int, default=64, help="tokens each request generates (default: %(default)s)")
     p.add_argument("--capacity-budget", type=float, default=0.125, help="the budget every policy runs at in the "
-                   "memory/throughput runs (snapkv runs at each of --budgets too)")
-    p.add_argument("--seed", type=int, default=0, help="passkeys, capacity prompts and random eviction")
-    p.add_argument("--json", default="results/kv_eviction.json", help="write the results here ('' to skip)")
-    p.add_argument("--plot", default="results/kv_eviction.png", help="draw quality against budget here ('' to skip)")
+                   "memory/throughput runs (snapkv runs at each of --budgets too) (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="passkeys, capacity prompts and random eviction (default: %(default)s)")
+    p.add_argument("--json", default="results/kv_eviction.json", help="write the results here ('' to skip) (default: %(default)s)")
+    p.add_argument("--plot", default="results/kv_eviction.png", help="draw quality against budget here ('' to skip) (default: %(default)s)")
 
 
 def parse_policies(text: str) -> list[str]:
@@ -341,100 +267,116 @@ def _sweep_policy(policies: list[str]) -> str:
     return SWEEP_POLICY if SWEEP_POLICY in policies else policies[0]
 
 
+def _check_lengths(args: argparse.Namespace, model_len: int) -> None:
+    """ValueError (with the numbers) where a document or a capacity request is longer than the model's context."""
+    if args.context_len + args.continuation > model_len:
+        raise ValueError(f"--context-len {args.context_len:,} + --continuation {args.continuation:,} is above the "
+                         f"model's context length {model_len:,}")
+    if not args.skip_capacity and args.capacity_prompt_len + args.capacity_max_tokens > model_len:
+        raise ValueError(f"--capacity-prompt-len {args.capacity_prompt_len:,} + --capacity-max-tokens "
+                         f"{args.capacity_max_tokens:,} is above the model's context length {model_len:,}")
+
+
+def _passkey_trials(ckpt: Checkpoint, args: argparse.Namespace, policies: list[str], budgets: list[float],
+                    depths: list[float]) -> list[SplitTrial]:
+    """The split passkey trials, checked against every budget and the model's context length."""
+    trials = split_passkey_trials(ckpt.tokenizer, depths, args.passkeys_per_depth, args.passkey_len, args.seed)
+    shortest = min(len(t.context_ids) for t in trials)
+    check_budgets(policies, budgets, shortest, f"a passkey context of {shortest:,} tokens (--passkey-len "
+                  f"{args.passkey_len:,})")
+    if max(len(t.token_ids) for t in trials) + ANSWER_MAX_TOKENS > ckpt.model_len:
+        raise ValueError(f"--passkey-len {args.passkey_len:,} leaves no room for the answer in the model's "
+                         f"context length {ckpt.model_len:,}")
+    return trials
+
+
+def _quality(engine, docs: list[list[int]], args: argparse.Namespace, pairs: list[tuple[str, float]],
+             specs: list[EvictionSpec], num_layers: int) -> tuple[QualityStats, dict]:
+    """The full cache's figures, and the quality part of the results: the full cache and one run per pair."""
+    base, stats = evaluate_quality(engine, docs, args.context_len, specs, args.chunk_size, progress=True)
+    return base, {"full": base.summary(base.ppl),
+                  "runs": [{"policy": p, "budget": b, "budget_tokens": spec.tokens(args.context_len),
+                            "held_tokens": held_tokens(spec, args.context_len, num_layers), **s.summary(base.ppl)}
+                           for (p, b), spec, s in zip(pairs, specs, stats)]}
+
+
+def _passkey(engine, trials: list[SplitTrial], pairs: list[tuple[str, float]], specs: list[EvictionSpec],
+             args: argparse.Namespace) -> dict:
+    """The passkey part of the results: the full cache's answers, then every pair in both settings."""
+    answers = full_cache_answers(engine, trials)
+    full, runs = evaluate_passkey(engine, trials, answers, specs, args.chunk_size, progress=True)
+    return {"trials": len(trials), "baseline_misses": sum(a is None for a in answers),
+            "scored_trials": sum(a is not None for a in answers),
+            "context_tokens": [len(t.context_ids) for t in trials],
+            "question_tokens": [len(t.question_ids) for t in trials],
+            "answer_tokens": [None if a is None else len(a) for a in answers],
+            "answers": [None if a is None else engine.tokenizer.decode(a) for a in answers],
+            "split_differs": sum(not t.joint for t in trials), "full": full,
+            "runs": [{"policy": p, "budget": b, **r} for (p, b), r in zip(pairs, runs)]}
+
+
+def _capacity(ckpt: Checkpoint, policies: list[str], budgets: list[float], memory: int,
+              args: argparse.Namespace) -> dict:
+    """The memory/throughput part of the results: no eviction, every policy at --capacity-budget and the sweep
+    policy at every budget, each on a fresh engine with a pool of `memory` bytes and the same prompts."""
+    from kvcache.compress.spec import EvictionSpec
+    sweep = _sweep_policy(policies)
+    configs = ([("none", None)] + [(p, args.capacity_budget) for p in policies]
+               + [(sweep, b) for b in budgets if b != args.capacity_budget])
+    num_layers = ckpt.loaded.config.num_hidden_layers
+    prompts: list[list[int]] = []  # drawn once, from the first engine's vocabulary
+
+    def build(config: tuple[str, float | None]):
+        p, b = config
+        # pyramidkv as the engine's policy: its layout is then one block table per layer (per-layer memory)
+        own = {"kv_eviction": p, "kv_budget": b} if p == "pyramidkv" else {}
+        return build_engine(ckpt.loaded, "float32", memory, args.capacity_prompt_len + args.capacity_max_tokens,
+                            max_num_seqs=256, enable_prefix_caching=False, seed=args.seed, **own)
+
+    def measure(e, config: tuple[str, float | None]) -> dict:
+        p, b = config
+        prompts[:] = prompts or random_prompts(e, args.capacity_requests, args.capacity_prompt_len, args.seed)
+        spec = EvictionSpec(p, b)
+        m = measure_throughput(e, prompts, args.capacity_max_tokens, spec if spec.enabled else None)
+        return {"policy": p, "budget": b,
+                "held_tokens": held_tokens(spec, args.capacity_prompt_len, num_layers, e.config.block_size), **m}
+    runs = each_engine(configs, build, measure, "capacity")
+    ref = runs[0]
+    for r in runs:
+        r["requests_ratio"] = (r["concurrent_requests"] / ref["concurrent_requests"]
+                               if ref["concurrent_requests"] else None)
+        r["throughput_ratio"] = r["output_tokens_per_s"] / ref["output_tokens_per_s"]
+    return {"memory_bytes": memory, "pool_tokens": ref["num_blocks"] * ref["block_size"],
+            "requests": args.capacity_requests, "prompt_len": args.capacity_prompt_len,
+            "max_tokens": args.capacity_max_tokens, "budget": args.capacity_budget, "sweep_policy": sweep, "runs": runs}
+
+
 def run(args: argparse.Namespace) -> int:
     """Quality, passkey retrieval, memory and throughput of every policy and budget against the full cache:
     tables, JSON, plot."""
-    from tqdm import tqdm
-
     from kvcache.compress.spec import EvictionSpec
     from kvcache.config import parse_bytes
-    from kvcache.models.loader import read_checkpoint
     policies, budgets, depths = _parse_args(args)
     capacity_memory = parse_bytes(args.capacity_memory)
-    t0 = time.perf_counter()
-    loaded = read_checkpoint(args.model)
-    tok = loaded.tokenizer
-    model_len = getattr(loaded.config, "max_position_embeddings", None) or 2048
-    num_layers = loaded.config.num_hidden_layers
+    ckpt = load_checkpoint(args.model)
+    _check_lengths(args, ckpt.model_len)
     doc_len = args.context_len + args.continuation
-    if doc_len > model_len:
-        raise ValueError(f"--context-len {args.context_len:,} + --continuation {args.continuation:,} is above the "
-                         f"model's context length {model_len:,}")
-    need = args.capacity_prompt_len + args.capacity_max_tokens  # tokens of one capacity request
-    if not args.skip_capacity and need > model_len:
-        raise ValueError(f"--capacity-prompt-len {args.capacity_prompt_len:,} + --capacity-max-tokens "
-                         f"{args.capacity_max_tokens:,} is above the model's context length {model_len:,}")
-    docs = document_windows(lambda s: tok.encode(s), args.num_docs, doc_len,
-                            load_corpus(args.corpus) if args.corpus else None)
+    docs = ckpt.documents(args.num_docs, doc_len, args.corpus)
     pairs = [(p, b) for p in policies for b in budgets]
     specs = [EvictionSpec(p, b) for p, b in pairs]
-
-    trials: list[SplitTrial] = []
-    if not args.skip_passkey:
-        trials = split_passkey_trials(tok, depths, args.passkeys_per_depth, args.passkey_len, args.seed)
-        shortest = min(len(t.context_ids) for t in trials)
-        check_budgets(policies, budgets, shortest, f"a passkey context of {shortest:,} tokens (--passkey-len "
-                      f"{args.passkey_len:,})")
-        if max(len(t.token_ids) for t in trials) + ANSWER_MAX_TOKENS > model_len:
-            raise ValueError(f"--passkey-len {args.passkey_len:,} leaves no room for the answer in the model's "
-                             f"context length {model_len:,}")
+    trials = [] if args.skip_passkey else _passkey_trials(ckpt, args, policies, budgets, depths)
+    # one float32 engine for quality and passkey: only eviction differs between the runs
     longest = max([len(t.token_ids) + ANSWER_MAX_TOKENS for t in trials] + [doc_len])
+    loaded = ckpt.loaded
     engine = build_engine(loaded, "float32", max(pool_bytes(loaded, "float32", 1, doc_len),
                                                  pool_bytes(loaded, "float32", max(1, len(trials)), longest)),
                           longest, seed=args.seed)
-
-    base, stats = evaluate_quality(engine, docs, args.context_len, specs, args.chunk_size, progress=True)
-    quality = {"full": {"kl": base.kl, "top1": base.top1, "ppl": base.ppl, "ppl_delta_pct": 0.0},
-               "runs": [{"policy": p, "budget": b, "budget_tokens": spec.tokens(args.context_len),
-                         "held_tokens": held_tokens(spec, args.context_len, num_layers), "kl": s.kl, "top1": s.top1,
-                         "ppl": s.ppl, "ppl_delta_pct": ppl_delta_pct(s.ppl, base.ppl)}
-                        for (p, b), spec, s in zip(pairs, specs, stats)]}
-
-    passkey = None
-    if trials:
-        answers = full_cache_answers(engine, trials)
-        full, runs = evaluate_passkey(engine, trials, answers, specs, args.chunk_size, progress=True)
-        passkey = {"trials": len(trials), "baseline_misses": sum(a is None for a in answers),
-                   "scored_trials": sum(a is not None for a in answers),
-                   "context_tokens": [len(t.context_ids) for t in trials],
-                   "question_tokens": [len(t.question_ids) for t in trials],
-                   "answer_tokens": [None if a is None else len(a) for a in answers],
-                   "answers": [None if a is None else tok.decode(a) for a in answers],
-                   "split_differs": sum(not t.joint for t in trials), "full": full,
-                   "runs": [{"policy": p, "budget": b, **r} for (p, b), r in zip(pairs, runs)]}
+    base, quality = _quality(engine, docs, args, pairs, specs, loaded.config.num_hidden_layers)
+    passkey = _passkey(engine, trials, pairs, specs, args) if trials else None
     engine.check_no_leaks()
     del engine
     gc.collect()
-
-    capacity = None
-    if not args.skip_capacity:
-        sweep = _sweep_policy(policies)
-        configs = ([("none", None)] + [(p, args.capacity_budget) for p in policies]
-                   + [(sweep, b) for b in budgets if b != args.capacity_budget])
-        prompts = None
-        runs = []
-        for p, b in tqdm(configs, desc="capacity", file=sys.stderr):
-            # pyramidkv as the engine's policy: its layout is then one block table per layer (per-layer memory)
-            own = {"kv_eviction": p, "kv_budget": b} if p == "pyramidkv" else {}
-            e = build_engine(loaded, "float32", capacity_memory, need, max_num_seqs=256, enable_prefix_caching=False,
-                             seed=args.seed, **own)
-            prompts = prompts or random_prompts(e, args.capacity_requests, args.capacity_prompt_len, args.seed)
-            spec = EvictionSpec(p, b)
-            m = measure_throughput(e, prompts, args.capacity_max_tokens, spec if spec.enabled else None)
-            runs.append({"policy": p, "budget": b, "held_tokens": held_tokens(spec, args.capacity_prompt_len,
-                                                                              num_layers, e.config.block_size), **m})
-            del e
-            gc.collect()
-        ref = runs[0]
-        for r in runs:
-            r["requests_ratio"] = (r["concurrent_requests"] / ref["concurrent_requests"]
-                                   if ref["concurrent_requests"] else None)
-            r["throughput_ratio"] = r["output_tokens_per_s"] / ref["output_tokens_per_s"]
-        capacity = {"memory_bytes": capacity_memory, "pool_tokens": ref["num_blocks"] * ref["block_size"],
-                    "requests": args.capacity_requests, "prompt_len": args.capacity_prompt_len,
-                    "max_tokens": args.capacity_max_tokens, "budget": args.capacity_budget, "sweep_policy": sweep,
-                    "runs": runs}
-
+    capacity = None if args.skip_capacity else _capacity(ckpt, policies, budgets, capacity_memory, args)
     results = {
         "quality": quality, "passkey": passkey, "capacity": capacity,
         "settings": {"model": loaded.source, "policies": policies, "budgets": budgets, "num_docs": len(docs),
@@ -443,16 +385,43 @@ def run(args: argparse.Namespace) -> int:
                      "corpus": args.corpus or "shipped", "kv_cache_dtype": "float32", "seed": args.seed,
                      "passkey": None if passkey is None else {
                          "depths": depths, "per_depth": args.passkeys_per_depth, "target_len": args.passkey_len},
-                     "wall_s": time.perf_counter() - t0},
+                     "wall_s": ckpt.wall_s()},
     }
-    print_tables(results)
-    if args.json:
-        from kvcache.bench.report import write_json
-        write_json(args.json, results)
-    if args.plot:
-        plot(results, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+    return report(results, print_tables, args.json, plot, args.plot)
+
+
+QUALITY_TABLE = Table((Column("policy", 12, left=True), Column("budget", 8, "g"), Column("held tok", 10, ","),
+                       Column("KL nats", 11, ".2e"), Column("top-1", 8, ".2%"), Column("ppl", 9, ".3f"),
+                       Column("ppl Δ%", 10, "+.2f")))
+CAPACITY_TABLE = Table((Column("policy", 12, left=True), Column("budget", 8, "g"), Column("held tok/req", 13, ","),
+                        Column("decoding", 10), Column("x req", 7, ".2f"), Column("peak MiB", 10, ".2f"),
+                        Column("tok/s", 8, ".1f"), Column("x tok/s", 8, ".2f"), Column("wall s", 8, ".1f"),
+                        Column("evicted", 9, ","), Column("freed blk", 10, ","), Column("preempt", 9)))
+
+
+def passkey_table(depths: list[str]) -> Table:
+    """The passkey table: accuracy in both settings, then one agnostic/aware column per depth."""
+    return Table((Column("policy", 12, left=True), Column("budget", 8, "g"), Column("agnostic", 10, ".0%"),
+                  Column("aware", 8, ".0%"))
+                 + tuple(Column("d" + d, 9, ".0%", gap="  " if i == 0 else " ") for i, d in enumerate(depths)),
+                 note="   (by depth: agnostic/aware)")
+
+
+def _print_passkey(p: dict) -> None:
+    print(f"\npasskey: {p['trials']} trials, context {min(p['context_tokens']):,}-{max(p['context_tokens']):,} "
+          f"+ question {min(p['question_tokens'])}-{max(p['question_tokens'])} tokens; {p['baseline_misses']} "
+          f"baseline misses left out; query-agnostic compacts the context, query-aware context + question")
+    if not p["scored_trials"]:
+        print("no trial scored: the full cache's reply never contained the key")
+        return
+    full = p["full"]
+    depths = list(full["by_depth"])
+    rows = [[FULL, None, full["acc"], full["acc"]] + [full["by_depth"][d] for d in depths]]
+    for r in p["runs"]:
+        ag, aw = r["query_agnostic"], r["query_aware"]
+        rows.append([r["policy"], r["budget"], ag["acc"], aw["acc"]]
+                    + [f"{fmt(ag['by_depth'].get(d), '.0%')}/{fmt(aw['by_depth'].get(d), '.0%')}" for d in depths])
+    passkey_table(depths).print(rows)
 
 
 def print_tables(results: dict) -> None:
@@ -461,71 +430,34 @@ def print_tables(results: dict) -> None:
     print(f"\nmodel: {s['model']}; float32 KV cache; budgets are ratios of the prompt")
     print(f"\nquality: {s['num_docs']} documents, prompt {s['context_len']:,} tokens (compacted), next "
           f"{s['continuation']} tokens teacher-forced as decodes and scored ({s['scored_positions']:,} positions)")
-    head = f"{'policy':<12}{'budget':>8}{'held tok':>10}{'KL nats':>11}{'top-1':>8}{'ppl':>9}{'ppl Δ%':>10}"
-    print(head)
-    print("-" * len(head))
     f = q["full"]
-    print(f"{FULL:<12}{'-':>8}{s['context_len']:>10,}{f['kl']:>11.2e}{f['top1']:>8.2%}{f['ppl']:>9.3f}"
-          f"{f['ppl_delta_pct']:>+10.2f}")
-    for r in q["runs"]:
-        print(f"{r['policy']:<12}{r['budget']:>8g}{r['held_tokens']:>10,}{r['kl']:>11.2e}{r['top1']:>8.2%}"
-              f"{r['ppl']:>9.3f}{r['ppl_delta_pct']:>+10.2f}")
-
-    p = results["passkey"]
-    if p:
-        print(f"\npasskey: {p['trials']} trials, context {min(p['context_tokens']):,}-{max(p['context_tokens']):,} "
-              f"+ question {min(p['question_tokens'])}-{max(p['question_tokens'])} tokens; {p['baseline_misses']} "
-              f"baseline misses left out; query-agnostic compacts the context, query-aware context + question")
-    if p and not p["scored_trials"]:
-        print("no trial scored: the full cache's reply never contained the key")
-    elif p:
-        depths = list(p["full"]["by_depth"])
-        head = (f"{'policy':<12}{'budget':>8}{'agnostic':>10}{'aware':>8}  "
-                + " ".join(f"{'d' + d:>9}" for d in depths) + "   (by depth: agnostic/aware)")
-        print(head)
-        print("-" * len(head))
-        full = p["full"]
-        print(f"{FULL:<12}{'-':>8}{_fmt(full['acc'], '.0%'):>10}{_fmt(full['acc'], '.0%'):>8}  "
-              + " ".join(f"{_fmt(full['by_depth'][d], '.0%'):>9}" for d in depths))
-        for r in p["runs"]:
-            ag, aw = r["query_agnostic"], r["query_aware"]
-            cells = [f"{_fmt(ag['by_depth'].get(d), '.0%')}/{_fmt(aw['by_depth'].get(d), '.0%')}" for d in depths]
-            print(f"{r['policy']:<12}{r['budget']:>8g}{_fmt(ag['acc'], '.0%'):>10}{_fmt(aw['acc'], '.0%'):>8}  "
-                  + " ".join(f"{c:>9}" for c in cells))
-
+    QUALITY_TABLE.print([[FULL, None, s["context_len"], f["kl"], f["top1"], f["ppl"], f["ppl_delta_pct"]]]
+                        + [[r["policy"], r["budget"], r["held_tokens"], r["kl"], r["top1"], r["ppl"],
+                            r["ppl_delta_pct"]] for r in q["runs"]])
+    if results["passkey"]:
+        _print_passkey(results["passkey"])
     c = results["capacity"]
     if c:
         print(f"\nmemory and throughput: {c['memory_bytes'] / 2**20:g} MiB float32 pool ({c['pool_tokens']:,} "
               f"tokens); {c['requests']} requests of {c['prompt_len']:,} random tokens + {c['max_tokens']} "
               f"generated, all submitted at once; ratios over no eviction")
-        head = (f"{'policy':<12}{'budget':>8}{'held tok/req':>13}{'decoding':>10}{'x req':>7}{'peak MiB':>10}"
-                f"{'tok/s':>8}{'x tok/s':>8}{'wall s':>8}{'evicted':>9}{'freed blk':>10}{'preempt':>9}")
-        print(head)
-        print("-" * len(head))
-        for r in c["runs"]:
-            name = "none" if r["budget"] is None else r["policy"]
-            print(f"{name:<12}{_fmt(r['budget'], 'g'):>8}{r['held_tokens']:>13,}{r['concurrent_requests']:>10}"
-                  f"{_fmt(r['requests_ratio'], '.2f'):>7}{r['peak_used_bytes'] / 2**20:>10.2f}"
-                  f"{r['output_tokens_per_s']:>8.1f}"
-                  f"{r['throughput_ratio']:>8.2f}{r['wall_s']:>8.1f}{r['evicted_tokens']:>9,}{r['freed_blocks']:>10,}"
-                  f"{r['preemptions']:>9}")
+        CAPACITY_TABLE.print([
+            ["none" if r["budget"] is None else r["policy"], r["budget"], r["held_tokens"], r["concurrent_requests"],
+             r["requests_ratio"], r["peak_used_bytes"] / 2**20, r["output_tokens_per_s"], r["throughput_ratio"],
+             r["wall_s"], r["evicted_tokens"], r["freed_blocks"], r["preemptions"]] for r in c["runs"]])
 
 
 def plot(results: dict, path: str) -> None:
     """Quality against budget, one curve per policy (PNG): KL, perplexity change, passkey accuracy in the
     query-agnostic and the query-aware setting."""
     import os
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    plt, fig, axes = new_figure(path, 2, 2, (12, 9))
     s = results["settings"]
     budgets = sorted(s["budgets"])
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
     p = results["passkey"]
     panels = [(axes[0, 0], results["quality"]["runs"], lambda r: r["kl"], "mean KL(P_full || P_policy), nats"),
-              (axes[0, 1], results["quality"]["runs"], lambda r: r["ppl_delta_pct"], "perplexity change vs full cache, %"),
+              (axes[0, 1], results["quality"]["runs"], lambda r: r["ppl_delta_pct"],
+               "perplexity change vs full cache, %"),
               (axes[1, 0], p["runs"] if p else [], lambda r: r["query_agnostic"]["acc"],
                "passkey accuracy, query-agnostic"),
               (axes[1, 1], p["runs"] if p else [], lambda r: r["query_aware"]["acc"], "passkey accuracy, query-aware")]
@@ -548,15 +480,7 @@ def plot(results: dict, path: str) -> None:
         else:
             ax.axhline(0, color="black", linestyle="--", linewidth=1, label=FULL)
             ax.set_yscale("symlog", linthresh=1)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
-        ax.minorticks_off()
-        ax.set_xlabel("KV budget, ratio of the prompt")
-        ax.set_ylabel(label)
-        ax.grid(True, which="major", alpha=0.3)
+        finish_axis(ax, budgets, [f"{b:g}" for b in budgets], "KV budget, ratio of the prompt", label, base=2)
     axes[0, 1].legend(fontsize=8)
-    fig.suptitle(f"KV eviction: quality vs budget ({os.path.basename(s['model'])}, {s['num_docs']} docs x "
-                 f"{s['context_len']} + {s['continuation']} tokens)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path, f"KV eviction: quality vs budget ({os.path.basename(s['model'])}, {s['num_docs']} "
+                f"docs x {s['context_len']} + {s['continuation']} tokens)")

@@ -26,216 +26,32 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
-import sys
-import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from kvcache.bench.corpus import (PASSKEY_ANSWER, document_windows, load_corpus, passkey_keys, passkey_prompt,
-                                 plain_prompt)
+from kvcache.eval.harness import (Checkpoint, Column, PasskeyTrial, QualityStats, Table, add_text_args,
+                                  build_engine, check_positive, each_engine, evaluate_engines, finish_axis,
+                                  greedy_outputs, load_checkpoint, new_figure, parse_depths, passkey_accuracy,
+                                  passkey_trials, pool_bytes, random_prompts, report, save_figure)
 
 BASELINE = "float32"
 BASELINE_NAME = "fp32 (baseline)"
 CAPACITY_BASELINE = "float16"
 DEFAULT_DTYPES = "float16,fp8_e4m3,fp8_e5m2,int8,int4,int2"
-if TYPE_CHECKING:  # torch is imported where it is used: `kvcache plan` loads this module and stays torch-free
-    import torch
-
-_ROWS = 256  # logit rows per metric chunk: bounds the softmax temporaries to ~50 MB
-
-
-# ---- metrics --------------------------------------------------------------------------------------------
-
-def token_metrics(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, int, float, float]:
-    """Sums over rows of [rows, vocab] logits: KL(P_ref || P) in nats, argmax agreements, and the
-    negative log-likelihood (nats) of `targets` under the reference and under `logits`."""
-    import torch
-    if ref_logits.shape != logits.shape or ref_logits.shape[0] != targets.shape[0]:
-        raise ValueError(f"logits {tuple(ref_logits.shape)} and {tuple(logits.shape)} with {targets.shape[0]} "
-                         "targets: shapes must match")
-    kl = nll_ref = nll = 0.0
-    top1 = 0
-    for s in range(0, targets.shape[0], _ROWS):
-        lp_ref = torch.log_softmax(ref_logits[s:s + _ROWS].float(), dim=-1)
-        lp = torch.log_softmax(logits[s:s + _ROWS].float(), dim=-1)
-        t = targets[s:s + _ROWS].unsqueeze(1)
-        # p_ref * (log p_ref - log p); rows are independent, clamp the per-row float rounding at 0
-        kl += (lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp_min(0).double().sum().item()
-        top1 += int((lp_ref.argmax(-1) == lp.argmax(-1)).sum())
-        nll_ref -= lp_ref.gather(1, t).double().sum().item()
-        nll -= lp.gather(1, t).double().sum().item()
-    return kl, top1, nll_ref, nll
-
-
-def ppl_delta_pct(ppl: float, ppl_ref: float) -> float:
-    """Perplexity change in percent: (ppl / ppl_ref - 1) * 100."""
-    return (ppl / ppl_ref - 1.0) * 100.0
-
-
-@dataclass
-class QualityStats:
-    """Running sums over scored positions (tokens) of one format against the baseline."""
-
-    positions: int = 0
-    kl_sum: float = 0.0  # nats
-    top1_sum: int = 0
-    nll_sum: float = 0.0  # nats, of the actual next tokens under this format
-    nll_ref_sum: float = 0.0  # the same under the baseline
-
-    def add(self, ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        kl, top1, nll_ref, nll = token_metrics(ref_logits, logits, targets)
-        self.positions += targets.shape[0]
-        self.kl_sum += kl
-        self.top1_sum += top1
-        self.nll_sum += nll
-        self.nll_ref_sum += nll_ref
-
-    @property
-    def kl(self) -> float:
-        """Mean KL(P_full || P_format) per position, nats."""
-        return self.kl_sum / self.positions
-
-    @property
-    def top1(self) -> float:
-        """Share of positions whose argmax token equals the baseline's."""
-        return self.top1_sum / self.positions
-
-    @property
-    def ppl(self) -> float:
-        return math.exp(self.nll_sum / self.positions)
-
-    @property
-    def ppl_ref(self) -> float:
-        return math.exp(self.nll_ref_sum / self.positions)
-
-
-# ---- engines --------------------------------------------------------------------------------------------
-
-def pool_bytes(loaded, dtype: str, requests: int, tokens: int) -> int:
-    """KV bytes (as the planner counts them) for `requests` requests of `tokens` tokens in `dtype`'s
-    default blocks, residual blocks included, plus one spare block."""
-    from kvcache.memory.kv_cache_manager import blocks_for
-    from kvcache.plan.kv_bytes import default_block_size, kv_bytes_per_token, sequence_blocks
-    from kvcache.plan.shape import shape_from_config
-    shape = shape_from_config(loaded.config.to_dict())
-    bs = default_block_size(dtype)
-    blocks = requests * (blocks_for(tokens, bs) + sequence_blocks(shape, dtype, bs)) + 1
-    return blocks * bs * kv_bytes_per_token(shape, dtype)
-
-
-def build_engine(loaded, dtype: str, kv_cache_memory: int, max_model_len: int, **config):
-    """An engine over the loaded checkpoint, computing in float32 and storing its KV cache as `dtype`
-    in a pool of `kv_cache_memory` bytes; `config` sets other EngineConfig fields."""
-    from kvcache.config import EngineConfig
-    from kvcache.engine.llm_engine import LLMEngine
-    cfg = EngineConfig(model=loaded.source, kv_cache_dtype=dtype, dtype="float32", kv_cache_memory=kv_cache_memory,
-                       max_model_len=max_model_len, **config)
-    return LLMEngine(cfg, loaded)
-
-
-def compare_scores(reference, candidates: dict, docs: list[list[int]], start: int, progress: bool = False,
-                   desc: str = "scoring") -> tuple[QualityStats, dict]:
-    """Teacher-forced logits of each document from `reference` and from each of `candidates` (name -> a
-    function (token_ids, start) -> logits, as LLMEngine.score), scored at positions start .. len - 2
-    against the next tokens. The reference is compared with itself too (KL 0, top-1 1: a check of the
-    metrics). One document's logits are held at a time."""
-    import torch
-    from tqdm import tqdm
-    base = QualityStats()
-    stats = {name: QualityStats() for name in candidates}
-    bar = tqdm(total=len(docs) * (1 + len(candidates)), desc=desc, disable=not progress, file=sys.stderr)
-    for ids in docs:
-        targets = torch.tensor(ids[start + 1:])
-        ref = reference(ids[:-1], start)
-        base.add(ref, ref, targets)
-        bar.update(1)
-        for name, score in candidates.items():
-            stats[name].add(ref, score(ids[:-1], start), targets)
-            bar.update(1)
-        del ref
-    bar.close()
-    return base, stats
-
-
-def evaluate_quality(baseline, engines: dict, docs: list[list[int]], warmup: int,
-                     chunk_size: int | None = None, progress: bool = False) -> tuple[QualityStats, dict[str, QualityStats]]:
-    """Score every document through the baseline engine and each engine of `engines` (format -> engine).
-
-    Positions `warmup` .. len - 2 of each document are scored (the last token has no next token).
-    The baseline is compared with itself too (KL 0, top-1 1: a check of the metrics).
-    """
-    for ids in docs:
-        if not 0 <= warmup < len(ids) - 1:
-            raise ValueError(f"warmup {warmup} must leave positions to score in a {len(ids)}-token document")
-
-    def scorer(engine):
-        return lambda ids, start: engine.score(ids, start=start, chunk_size=chunk_size)
-    return compare_scores(scorer(baseline), {name: scorer(e) for name, e in engines.items()}, docs, warmup, progress)
+PASSKEY_MAX_TOKENS = 8  # the reply generated for each passkey prompt
+TABLE = Table((Column("kv cache", 17, left=True), Column("bytes/tok", 10, ","), Column("resid blk", 10),
+               Column("KL nats", 11, ".2e"), Column("top-1", 8, ".2%"), Column("ppl", 9, ".3f"),
+               Column("ppl Δ%", 9, "+.2f"), Column("passkey", 9, ".0%"), Column("pool tok", 10, ","),
+               Column("requests", 10, "d"), Column("x tok", 7, ".2f"), Column("x req", 7, ".2f")))
+TABLE_KEYS = ("bytes_per_token", "residual_blocks_per_request", "kl", "top1", "ppl", "ppl_delta_pct", "passkey_acc",
+              "pool_tokens", "concurrent_requests", "capacity_ratio_tokens", "capacity_ratio_requests")
 
 
 # ---- passkey retrieval ----------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class PasskeyTrial:
-    """One passkey prompt: its key, the depth of the key (0..1) and the prompt's token ids."""
-
-    depth: float
-    key: int
-    token_ids: list[int]
-
-
-def chat_wrap(tokenizer):
-    """text -> the chat template with `text` as the user's message and the reply begun as "The pass key is"."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use --passkey-prompt raw")
-
-    def wrap(text: str) -> str:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False) + PASSKEY_ANSWER
-    return wrap
-
-
-def greedy_outputs(engine, prompts: list[list[int]], max_tokens: int) -> list:
-    """Each prompt's CompletionOutput, generated greedily in one batch (ignoring EOS); checks for leaks."""
-    from kvcache.engine.sampling_params import SamplingParams
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ids = [f"greedy-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, params)
-    done = engine.run_to_completion()
-    engine.check_no_leaks()
-    return [done[rid].outputs[0] for rid in ids]
-
-
-def passkey_trials(tokenizer, depths: list[float], per_depth: int, length: int, prompt: str = "chat",
-                   seed: int = 0) -> list[PasskeyTrial]:
-    """The passkey prompts, `per_depth` keys at each depth, about `length` tokens each.
-
-    `prompt`: "chat" puts the text in a user message of the chat template and starts the
-    assistant's reply with "The pass key is"; "raw" ends the plain text with it.
-    """
-    if prompt not in ("chat", "raw"):
-        raise ValueError(f"passkey prompt must be chat or raw, got {prompt!r}")
-    wrap = chat_wrap(tokenizer) if prompt == "chat" else plain_prompt
-
-    def encode(text: str) -> list[int]:  # the template writes its special tokens itself
-        return tokenizer.encode(text, add_special_tokens=prompt == "raw")
-
-    return [PasskeyTrial(d, k, encode(passkey_prompt(k, d, length, lambda s: len(encode(s)), wrap)))
-            for d, k in passkey_keys(depths, per_depth, seed)]
-
-
-def run_passkey(engine, trials: list[PasskeyTrial], max_tokens: int = 8) -> dict:
+def run_passkey(engine, trials: list[PasskeyTrial], max_tokens: int = PASSKEY_MAX_TOKENS) -> dict:
     """Generate greedily for every trial in one batch; accuracy overall and by depth, and the replies."""
     replies = [o.text for o in greedy_outputs(engine, [t.token_ids for t in trials], max_tokens)]
     correct = [str(t.key) in r for t, r in zip(trials, replies)]
-    by_depth: dict[str, list[bool]] = {}
-    for t, ok in zip(trials, correct):
-        by_depth.setdefault(f"{t.depth:g}", []).append(ok)
-    return {"acc": sum(correct) / len(trials), "correct": sum(correct), "trials": len(trials),
-            "by_depth": {d: sum(v) / len(v) for d, v in by_depth.items()},
-            "replies": replies}
+    return {**passkey_accuracy(trials, correct), "trials": len(trials), "replies": replies}
 
 
 # ---- capacity -------------------------------------------------------------------------------------------
@@ -247,21 +63,15 @@ def measure_capacity(engine, prompt_len: int, max_tokens: int, seed: int = 0) ->
     Steps until the first request finishes, or until every running request is decoding and none
     more can be admitted (free blocks only shrink from then on); then aborts everything.
     """
-    import numpy as np
-
     from kvcache.engine.sampling_params import SamplingParams
     from kvcache.memory.kv_cache_manager import blocks_for
     info = engine.kv_cache_info()
     per_request = blocks_for(prompt_len + max_tokens, info["block_size"]) + info["seq_blocks"]
     n = info["num_blocks"] // per_request + 3
-    vocab = engine.model.config.vocab_size
-    special = set(getattr(engine.tokenizer, "all_special_ids", []) or []) | engine.eos_token_ids
-    allowed = np.setdiff1d(np.arange(vocab), np.array(sorted(special), dtype=np.int64))
-    rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [f"capacity-{i}" for i in range(n)]
-    for rid in ids:
-        engine.add_request(rid, allowed[rng.integers(0, len(allowed), prompt_len)].tolist(), params)
+    for rid, prompt in zip(ids, random_prompts(engine, n, prompt_len, seed)):
+        engine.add_request(rid, prompt, params)
     sched = engine.scheduler
     peak_running = peak_held = steps = 0
     finished = False
@@ -288,53 +98,21 @@ def measure_capacity(engine, prompt_len: int, max_tokens: int, seed: int = 0) ->
 
 # ---- the command ----------------------------------------------------------------------------------------
 
-def add_text_args(p: argparse.ArgumentParser, num_docs: int, depths: str, passkeys_per_depth: int) -> None:
-    """The arguments both evaluations take for the model, the corpus and the passkey prompts."""
-    p.add_argument("--model", default=None, help="Hugging Face model directory or GGUF file (default: SmolLM2-135M demo)")
-    p.add_argument("--num-docs", type=int, default=num_docs, help="corpus documents to score")
-    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (tokens) when scoring")
-    p.add_argument("--corpus", default=None, help="a corpus file of '=== title ===' documents (default: the shipped "
-                   "Python docstrings)")
-    p.add_argument("--depths", default=depths, help="passkey depths, fractions of the filler")
-    p.add_argument("--passkeys-per-depth", type=int, default=passkeys_per_depth)
-    p.add_argument("--passkey-len", type=int, default=1024, help="tokens of each passkey prompt (about)")
-    p.add_argument("--skip-passkey", action="store_true")
-    p.add_argument("--skip-capacity", action="store_true")
-
-
-def parse_depths(text: str) -> list[float]:
-    """'0,0.5,1' -> [0.0, 0.5, 1.0]: passkey depths in [0, 1]; ValueError otherwise."""
-    try:
-        depths = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--depths takes fractions separated by commas, got {text!r}") from None
-    if any(not 0 <= d <= 1 for d in depths):
-        raise ValueError(f"--depths must lie in [0, 1], got {text!r}")
-    return depths
-
-
-def check_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
-    """ValueError naming the first of the integer options `names` that is below 1."""
-    for name in names:
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     add_text_args(p, num_docs=4, depths="0,0.25,0.5,0.75,1.0", passkeys_per_depth=2)
     p.add_argument("--kv-cache-dtypes", default=DEFAULT_DTYPES,
                    help=f"formats to compare with the float32 cache (default {DEFAULT_DTYPES})")
-    p.add_argument("--context-len", type=int, default=1536, help="tokens of each document scored")
-    p.add_argument("--warmup", type=int, default=256, help="first positions not scored (they barely use the cache)")
+    p.add_argument("--context-len", type=int, default=1536, help="tokens of each document scored (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=256, help="first positions not scored (they barely use the cache) (default: %(default)s)")
     p.add_argument("--passkey-prompt", choices=["chat", "raw"], default="chat",
                    help="chat: the chat template with the reply started (default); raw: plain text")
-    p.add_argument("--capacity-memory", default="96MiB", help="KV pool of every format in the capacity test")
-    p.add_argument("--capacity-prompt-len", type=int, default=1000, help="prompt tokens of each capacity request")
-    p.add_argument("--capacity-max-tokens", type=int, default=24, help="tokens each capacity request generates")
-    p.add_argument("--seed", type=int, default=0, help="passkeys and capacity prompts")
-    p.add_argument("--json", default="results/kv_quality.json", help="write the results here ('' to skip)")
+    p.add_argument("--capacity-memory", default="96MiB", help="KV pool of every format in the capacity test (default: %(default)s)")
+    p.add_argument("--capacity-prompt-len", type=int, default=1000, help="prompt tokens of each capacity request (default: %(default)s)")
+    p.add_argument("--capacity-max-tokens", type=int, default=24, help="tokens each capacity request generates (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="passkeys and capacity prompts (default: %(default)s)")
+    p.add_argument("--json", default="results/kv_quality.json", help="write the results here ('' to skip) (default: %(default)s)")
     p.add_argument("--plot", default="results/kv_quality.png", help="draw quality against bytes per token here "
-                   "('' to skip)")
+                   "('' to skip) (default: %(default)s)")
 
 
 def _parse_args(args: argparse.Namespace) -> tuple[list[str], list[float]]:
@@ -356,24 +134,10 @@ def _parse_args(args: argparse.Namespace) -> tuple[list[str], list[float]]:
     return dtypes, depths
 
 
-def run(args: argparse.Namespace) -> int:
-    """Quality, passkey retrieval and capacity of every format against the float32 cache: table, JSON, plot."""
-    from tqdm import tqdm
-
-    from kvcache.config import parse_bytes
-    from kvcache.models.loader import read_checkpoint
-    dtypes, depths = _parse_args(args)
-    capacity_memory = parse_bytes(args.capacity_memory)
-    t0 = time.perf_counter()
-    loaded = read_checkpoint(args.model)
-    tok = loaded.tokenizer
-    model_len = getattr(loaded.config, "max_position_embeddings", None) or 2048
-    docs = document_windows(lambda s: tok.encode(s), args.num_docs, args.context_len,
-                            load_corpus(args.corpus) if args.corpus else None)
-    names = [BASELINE] + [d for d in dtypes if d != BASELINE]
-    rows: dict[str, dict] = {d: {"kv_cache_dtype": d} for d in names}
-
-    # Quality: every engine alive at once, one document's logits at a time.
+def _quality(loaded, names: list[str], docs: list[list[int]], args: argparse.Namespace,
+             rows: dict[str, dict]) -> QualityStats:
+    """Every format's layout and its quality against the baseline, into `rows`; the baseline's own figures.
+    Every engine is alive at once, one document's logits at a time."""
     engines = {d: build_engine(loaded, d, pool_bytes(loaded, d, 1, args.context_len), args.context_len)
                for d in names}
     for d, e in engines.items():
@@ -381,51 +145,69 @@ def run(args: argparse.Namespace) -> int:
         rows[d].update(bytes_per_token=info["bytes_per_token"], block_size=info["block_size"],
                        residual_blocks_per_request=info["seq_blocks"],
                        residual_bytes_per_seq=info["residual_bytes_per_seq"])
-    base, stats = evaluate_quality(engines[BASELINE], {d: engines[d] for d in names[1:]}, docs, args.warmup,
+    base, stats = evaluate_engines(engines[BASELINE], {d: engines[d] for d in names[1:]}, docs, args.warmup,
                                    args.chunk_size, progress=True)
-    ppl_full = base.ppl
     for d in names:
-        s = base if d == BASELINE else stats[d]
-        rows[d].update(kl=s.kl, top1=s.top1, ppl=s.ppl, ppl_delta_pct=ppl_delta_pct(s.ppl, ppl_full))
+        rows[d].update((base if d == BASELINE else stats[d]).summary(base.ppl))
     del engines, e  # the loop variable holds one engine too
     gc.collect()
+    return base
 
-    passkey = None
-    if not args.skip_passkey:
-        trials = passkey_trials(tok, depths, args.passkeys_per_depth, args.passkey_len, args.passkey_prompt, args.seed)
-        longest = max(len(t.token_ids) for t in trials) + 8
-        passkey = {"trials": len(trials), "prompt_tokens": [len(t.token_ids) for t in trials]}
-        for d in tqdm(names, desc="passkey", file=sys.stderr):
-            e = build_engine(loaded, d, pool_bytes(loaded, d, len(trials), longest), min(model_len, longest))
-            r = run_passkey(e, trials, 8)
-            rows[d].update(passkey_acc=r["acc"], passkey_by_depth=r["by_depth"], passkey_replies=r["replies"])
-            del e
-            gc.collect()
 
-    capacity = None
-    if not args.skip_capacity:
-        need = args.capacity_prompt_len + args.capacity_max_tokens
-        cap_names = names if CAPACITY_BASELINE in names else names + [CAPACITY_BASELINE]
-        measured = {}
-        for d in tqdm(cap_names, desc="capacity", file=sys.stderr):
-            e = build_engine(loaded, d, capacity_memory, min(model_len, need), max_num_seqs=256,
-                             enable_prefix_caching=False)
-            measured[d] = measure_capacity(e, args.capacity_prompt_len, args.capacity_max_tokens, args.seed)
-            del e
-            gc.collect()
-        ref = measured[CAPACITY_BASELINE]
-        for d in names:
-            m = measured[d]
-            rows[d].update(pool_tokens=m["pool_tokens"], concurrent_requests=m["concurrent_requests"],
-                           capacity_ratio_tokens=m["pool_tokens"] / ref["pool_tokens"],
-                           capacity_ratio_requests=(m["concurrent_requests"] / ref["concurrent_requests"]
-                                                    if ref["concurrent_requests"] else None),
-                           capacity_detail={k: m[k] for k in ("peak_running", "submitted", "steps", "preemptions")})
-        capacity = {"memory_bytes": capacity_memory, "prompt_len": args.capacity_prompt_len,
-                    "max_tokens": args.capacity_max_tokens, "baseline_dtype": CAPACITY_BASELINE,
-                    "baseline_pool_tokens": ref["pool_tokens"],
-                    "baseline_concurrent_requests": ref["concurrent_requests"]}
+def _passkey(ckpt: Checkpoint, names: list[str], depths: list[float], args: argparse.Namespace,
+             rows: dict[str, dict]) -> dict:
+    """Passkey accuracy of every format (one engine at a time), into `rows`; the trials' sizes (tokens)."""
+    loaded = ckpt.loaded
+    trials = passkey_trials(ckpt.tokenizer, depths, args.passkeys_per_depth, args.passkey_len, args.passkey_prompt,
+                            args.seed)
+    longest = max(len(t.token_ids) for t in trials) + PASSKEY_MAX_TOKENS
 
+    def build(d: str):
+        return build_engine(loaded, d, pool_bytes(loaded, d, len(trials), longest), min(ckpt.model_len, longest))
+    for d, r in zip(names, each_engine(names, build, lambda e, _: run_passkey(e, trials), "passkey")):
+        rows[d].update(passkey_acc=r["acc"], passkey_by_depth=r["by_depth"], passkey_replies=r["replies"])
+    return {"trials": len(trials), "prompt_tokens": [len(t.token_ids) for t in trials]}
+
+
+def _capacity(ckpt: Checkpoint, names: list[str], memory: int, args: argparse.Namespace,
+              rows: dict[str, dict]) -> dict:
+    """Requests each format's pool of `memory` bytes really holds, into `rows` with the ratios over float16 (measured
+    even where not asked for); the settings and float16's figures."""
+    need = args.capacity_prompt_len + args.capacity_max_tokens
+    cap_names = names if CAPACITY_BASELINE in names else names + [CAPACITY_BASELINE]
+
+    def build(d: str):
+        return build_engine(ckpt.loaded, d, memory, min(ckpt.model_len, need), max_num_seqs=256,
+                            enable_prefix_caching=False)
+
+    def measure(e, _):
+        return measure_capacity(e, args.capacity_prompt_len, args.capacity_max_tokens, args.seed)
+    measured = dict(zip(cap_names, each_engine(cap_names, build, measure, "capacity")))
+    ref = measured[CAPACITY_BASELINE]
+    for d in names:
+        m = measured[d]
+        rows[d].update(pool_tokens=m["pool_tokens"], concurrent_requests=m["concurrent_requests"],
+                       capacity_ratio_tokens=m["pool_tokens"] / ref["pool_tokens"],
+                       capacity_ratio_requests=(m["concurrent_requests"] / ref["concurrent_requests"]
+                                                if ref["concurrent_requests"] else None),
+                       capacity_detail={k: m[k] for k in ("peak_running", "submitted", "steps", "preemptions")})
+    return {"memory_bytes": memory, "prompt_len": args.capacity_prompt_len,
+            "max_tokens": args.capacity_max_tokens, "baseline_dtype": CAPACITY_BASELINE,
+            "baseline_pool_tokens": ref["pool_tokens"], "baseline_concurrent_requests": ref["concurrent_requests"]}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Quality, passkey retrieval and capacity of every format against the float32 cache: table, JSON, plot."""
+    from kvcache.config import parse_bytes
+    dtypes, depths = _parse_args(args)
+    capacity_memory = parse_bytes(args.capacity_memory)
+    ckpt = load_checkpoint(args.model)
+    docs = ckpt.documents(args.num_docs, args.context_len, args.corpus)
+    names = [BASELINE] + [d for d in dtypes if d != BASELINE]
+    rows: dict[str, dict] = {d: {"kv_cache_dtype": d} for d in names}
+    base = _quality(ckpt.loaded, names, docs, args, rows)
+    passkey = None if args.skip_passkey else _passkey(ckpt, names, depths, args, rows)
+    capacity = None if args.skip_capacity else _capacity(ckpt, names, capacity_memory, args, rows)
     for r in rows.values():
         for k in ("passkey_acc", "pool_tokens", "concurrent_requests", "capacity_ratio_tokens",
                   "capacity_ratio_requests"):
@@ -434,26 +216,16 @@ def run(args: argparse.Namespace) -> int:
         "baseline": {"name": BASELINE_NAME, **rows[BASELINE]},
         "dtypes": {d: rows[d] for d in names[1:]},
         "settings": {
-            "model": loaded.source, "num_docs": len(docs), "context_len": args.context_len, "warmup": args.warmup,
-            "chunk_size": args.chunk_size, "scored_positions": base.positions, "corpus": args.corpus or "shipped",
+            "model": ckpt.loaded.source, "num_docs": len(docs), "context_len": args.context_len,
+            "warmup": args.warmup, "chunk_size": args.chunk_size, "scored_positions": base.positions,
+            "corpus": args.corpus or "shipped",
             "passkey": None if passkey is None else {
                 "depths": depths, "per_depth": args.passkeys_per_depth, "target_len": args.passkey_len,
                 "prompt": args.passkey_prompt, "seed": args.seed, **passkey},
-            "capacity": capacity, "wall_s": time.perf_counter() - t0,
+            "capacity": capacity, "wall_s": ckpt.wall_s(),
         },
     }
-    print_table(results)
-    if args.json:
-        from kvcache.bench.report import write_json
-        write_json(args.json, results)
-    if args.plot:
-        plot(results, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def _fmt(v, spec: str, none: str = "-") -> str:
-    return none if v is None else format(v, spec)
+    return report(results, print_table, args.json, plot, args.plot)
 
 
 def print_table(results: dict) -> None:
@@ -465,35 +237,24 @@ def print_table(results: dict) -> None:
           f"prefill chunks of {s['chunk_size']}")
     if s["passkey"]:
         p = s["passkey"]
-        print(f"passkey: {p['trials']} trials ({p['per_depth']} keys at depths {', '.join(f'{d:g}' for d in p['depths'])})"
-              f", {min(p['prompt_tokens']):,}-{max(p['prompt_tokens']):,} prompt tokens, {p['prompt']} prompt, greedy")
+        depths = ", ".join(f"{d:g}" for d in p["depths"])
+        print(f"passkey: {p['trials']} trials ({p['per_depth']} keys at depths {depths}), "
+              f"{min(p['prompt_tokens']):,}-{max(p['prompt_tokens']):,} prompt tokens, {p['prompt']} prompt, greedy")
     if s["capacity"]:
         c = s["capacity"]
         print(f"capacity: {c['memory_bytes'] / 2**20:g} MiB pool each; requests of {c['prompt_len']:,} + "
               f"{c['max_tokens']} tokens; ratios over {c['baseline_dtype']} ({c['baseline_pool_tokens']:,} tokens, "
               f"{c['baseline_concurrent_requests']} requests)")
-    head = (f"{'kv cache':<17}{'bytes/tok':>10}{'resid blk':>10}{'KL nats':>11}{'top-1':>8}{'ppl':>9}{'ppl Δ%':>9}"
-            f"{'passkey':>9}{'pool tok':>10}{'requests':>10}{'x tok':>7}{'x req':>7}")
-    print(head)
-    print("-" * len(head))
-    for name, r in [(BASELINE_NAME, results["baseline"])] + list(results["dtypes"].items()):
-        print(f"{name:<17}{r['bytes_per_token']:>10,}{r['residual_blocks_per_request']:>10}{r['kl']:>11.2e}"
-              f"{r['top1']:>8.2%}{r['ppl']:>9.3f}{r['ppl_delta_pct']:>+9.2f}{_fmt(r['passkey_acc'], '.0%'):>9}"
-              f"{_fmt(r['pool_tokens'], ','):>10}{_fmt(r['concurrent_requests'], 'd'):>10}"
-              f"{_fmt(r['capacity_ratio_tokens'], '.2f'):>7}{_fmt(r['capacity_ratio_requests'], '.2f'):>7}")
+    TABLE.print([name] + [r[k] for k in TABLE_KEYS]
+                for name, r in [(BASELINE_NAME, results["baseline"])] + list(results["dtypes"].items()))
 
 
 def plot(results: dict, path: str) -> None:
     """KL and perplexity change against bytes per token, one labelled point per format (PNG)."""
     import os
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    plt, fig, axes = new_figure(path, 1, 2, (12, 4.8))
     points = [(BASELINE_NAME, results["baseline"])] + list(results["dtypes"].items())
     sizes = sorted({r["bytes_per_token"] for _, r in points})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     # symlog: the baseline sits at 0 and the formats span decades (float16's KL is ~1e-7 nats)
     for ax, key, label, lin in ((axes[0], "kl", "mean KL(P_fp32 || P_format), nats", 1e-7),
                                 (axes[1], "ppl_delta_pct", "perplexity change vs fp32 cache, %", 1e-3)):
@@ -502,18 +263,10 @@ def plot(results: dict, path: str) -> None:
             color = "black" if name == BASELINE_NAME else plt.cm.tab10(i % 10)
             ax.scatter([x], [y], color=color, label=name, zorder=3)
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8, color=color)
-        ax.set_xscale("log")
-        ax.set_xticks(sizes, [f"{b:,}" for b in sizes], rotation=30, fontsize=8)
-        ax.minorticks_off()
-        ax.set_yscale("symlog", linthresh=lin)
-        ax.set_xlabel("KV cache bytes per token (scales included)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="major", alpha=0.3)
+        finish_axis(ax, sizes, [f"{b:,}" for b in sizes], "KV cache bytes per token (scales included)", label,
+                    tick_style={"rotation": 30, "fontsize": 8}, yscale={"value": "symlog", "linthresh": lin})
     axes[0].set_ylim(bottom=0)  # KL is never negative
     axes[1].legend(fontsize=8, loc="upper right")
     s = results["settings"]
-    fig.suptitle(f"KV cache format: quality vs memory ({os.path.basename(s['model'])}, {s['num_docs']} docs x "
-                 f"{s['context_len']} tokens)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path, f"KV cache format: quality vs memory ({os.path.basename(s['model'])}, "
+                f"{s['num_docs']} docs x {s['context_len']} tokens)")

@@ -13,24 +13,28 @@ import argparse
 import time
 
 from kvcache.config import WEIGHT_QUANTIZATIONS
-from kvcache.eval.kv_quality import _fmt, evaluate_quality, ppl_delta_pct
+from kvcache.eval.harness import MODEL_HELP, Column, Table, evaluate_engines, load_checkpoint, report
 
 BASELINE = "none:float32"
+TABLE = Table((Column("weights:compute", 20, left=True), Column("weight MiB", 11, ".1f"), Column("KL nats", 11, ".2e"),
+               Column("top-1", 8, ".2%"), Column("ppl", 9, ".3f"), Column("ppl Δ%", 9, "+.2f"),
+               Column("tok/s", 8, ".1f"), Column("speedup", 9, ".2f", suffix="x")))
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face model directory or GGUF file (default: SmolLM2-135M demo)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--variants", default="int8,int4,none:bfloat16,int8:bfloat16",
                    help="comma-separated QUANTIZATION[:DTYPE] (quantization none, int8 or int4, dtype float32 by "
                         "default)")
-    p.add_argument("--num-docs", type=int, default=4, help="corpus documents to score")
-    p.add_argument("--context-len", type=int, default=1024, help="tokens of each document scored")
-    p.add_argument("--warmup", type=int, default=16, help="first positions not scored")
-    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (tokens) when scoring")
-    p.add_argument("--corpus", default=None, help="a corpus file of '=== title ===' documents (default: the shipped one)")
-    p.add_argument("--decode-prompt", type=int, default=64, help="prompt tokens of the single-stream decode run")
-    p.add_argument("--decode-tokens", type=int, default=128, help="tokens generated in the single-stream run")
-    p.add_argument("--json", default="results/weights.json", help="write the results here ('' to skip)")
+    p.add_argument("--num-docs", type=int, default=4, help="corpus documents to score (default: %(default)s)")
+    p.add_argument("--context-len", type=int, default=1024, help="tokens of each document scored (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=16, help="first positions not scored (default: %(default)s)")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (tokens) when scoring (default: %(default)s)")
+    p.add_argument("--corpus", default=None,
+                   help="a corpus file of '=== title ===' documents (default: the shipped one)")
+    p.add_argument("--decode-prompt", type=int, default=64, help="prompt tokens of the single-stream decode run (default: %(default)s)")
+    p.add_argument("--decode-tokens", type=int, default=128, help="tokens generated in the single-stream run (default: %(default)s)")
+    p.add_argument("--json", default="results/weights.json", help="write the results here ('' to skip) (default: %(default)s)")
 
 
 def _variants(spec: str) -> list[tuple[str, str]]:
@@ -59,56 +63,48 @@ def decode_speed(engine, prompt_len: int, tokens: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Quality and single-stream decode speed of every variant against float32 weights and compute: table, JSON."""
     import torch
 
-    from kvcache.bench.report import write_json
     from kvcache.config import EngineConfig
     from kvcache.engine.llm_engine import LLMEngine
-    from kvcache.bench.corpus import document_windows, load_corpus
-    from kvcache.models.loader import read_checkpoint
     variants = _variants(args.variants)
-    loaded = read_checkpoint(args.model)
-    docs = document_windows(lambda s: loaded.tokenizer.encode(s), args.num_docs, args.context_len,
-                            load_corpus(args.corpus) if args.corpus else None)
+    ckpt = load_checkpoint(args.model)
+    docs = ckpt.documents(args.num_docs, args.context_len, args.corpus)
     max_len = max(args.context_len, args.decode_prompt + args.decode_tokens) + 1
 
     def engine(quant: str, dtype: str) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=loaded.source, quantization=quant, dtype=dtype, kv_cache_dtype="float32",
-                                      kv_cache_memory=2**28, max_model_len=max_len,
-                                      device="cpu"), loaded)
+        return LLMEngine(EngineConfig(model=ckpt.loaded.source, quantization=quant, dtype=dtype,
+                                      kv_cache_dtype="float32", kv_cache_memory=2**28, max_model_len=max_len,
+                                      device="cpu"), ckpt.loaded)
+
+    def row(e: LLMEngine, quant: str, dtype: str) -> dict:
+        return {"quantization": quant, "dtype": dtype, "weight_bytes": e.model.weight_bytes,
+                "decode_tok_s": decode_speed(e, args.decode_prompt, args.decode_tokens)}
     base = engine("none", "float32")
-    rows = {BASELINE: {"quantization": "none", "dtype": "float32", "weight_bytes": base.model.weight_bytes,
-                       "decode_tok_s": decode_speed(base, args.decode_prompt, args.decode_tokens)}}
+    rows = {BASELINE: row(base, "none", "float32")}
     engines = {}
     for quant, dtype in variants:
         name = f"{quant}:{dtype}"
-        e = engines[name] = engine(quant, dtype)
-        rows[name] = {"quantization": quant, "dtype": dtype, "weight_bytes": e.model.weight_bytes,
-                      "decode_tok_s": decode_speed(e, args.decode_prompt, args.decode_tokens)}
-    ref, stats = evaluate_quality(base, engines, docs, args.warmup, args.chunk_size, progress=True)
-    rows[BASELINE].update(kl=ref.kl, top1=ref.top1, ppl=ref.ppl, ppl_delta_pct=0.0)
-    for name, s in stats.items():
-        rows[name].update(kl=s.kl, top1=s.top1, ppl=s.ppl, ppl_delta_pct=ppl_delta_pct(s.ppl, ref.ppl))
+        engines[name] = engine(quant, dtype)
+        rows[name] = row(engines[name], quant, dtype)
+    ref, stats = evaluate_engines(base, engines, docs, args.warmup, args.chunk_size, progress=True)
+    for name, s in [(BASELINE, ref)] + list(stats.items()):
+        rows[name].update(s.summary(ref.ppl))
     for r in rows.values():
         r["speedup"] = r["decode_tok_s"] / rows[BASELINE]["decode_tok_s"]
-    results = {"settings": {"model": loaded.source, "num_docs": args.num_docs, "context_len": args.context_len,
+    results = {"settings": {"model": ckpt.loaded.source, "num_docs": args.num_docs, "context_len": args.context_len,
                             "warmup": args.warmup, "scored_positions": ref.positions, "torch": torch.__version__,
                             "decode_prompt": args.decode_prompt, "decode_tokens": args.decode_tokens},
                "variants": rows}
-    _print(results)
-    if args.json:
-        write_json(args.json, results)
-    return 0
+    return report(results, print_table, args.json)
 
 
-def _print(results: dict) -> None:
+def print_table(results: dict) -> None:
+    """The results as a table on stdout, the float32 baseline first."""
     s = results["settings"]
     print(f"\nmodel: {s['model']}; quality: {s['num_docs']} documents x {s['context_len']:,} tokens "
           f"({s['scored_positions']:,} positions scored) against float32 weights and compute; speed: one request "
           f"decoding {s['decode_tokens']} tokens after a {s['decode_prompt']}-token prompt")
-    head = f"{'weights:compute':<20}{'weight MiB':>11}{'KL nats':>11}{'top-1':>8}{'ppl':>9}{'ppl Δ%':>9}{'tok/s':>8}{'speedup':>9}"
-    print(head)
-    print("-" * len(head))
-    for name, r in results["variants"].items():
-        print(f"{name:<20}{r['weight_bytes'] / 2**20:>11.1f}{r['kl']:>11.2e}{r['top1']:>8.2%}{r['ppl']:>9.3f}"
-              f"{r['ppl_delta_pct']:>+9.2f}{r['decode_tok_s']:>8.1f}{_fmt(r['speedup'], '.2f'):>8}x")
+    TABLE.print([name, r["weight_bytes"] / 2**20, r["kl"], r["top1"], r["ppl"], r["ppl_delta_pct"], r["decode_tok_s"],
+                 r["speedup"]] for name, r in results["variants"].items())

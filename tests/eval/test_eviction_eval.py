@@ -13,10 +13,10 @@ from kvcache.compress.spec import EvictionSpec
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.bench.corpus import (PASSKEY_ANSWER, PASSKEY_FILLER, PASSKEY_QUESTION, passkey_prompt,
                                  passkey_sentence)
-from kvcache.eval.eviction import (SplitTrial, answer_tokens, check_budgets, evaluate_passkey, evaluate_quality,
-                                   held_tokens, measure_throughput, parse_budgets, parse_policies, random_prompts,
-                                   reproduces, split_passkey_text, split_passkey_trials)
-from kvcache.eval.kv_quality import build_engine, passkey_trials, pool_bytes
+from kvcache.eval.eviction import (check_budgets, evaluate_passkey, evaluate_quality, held_tokens, measure_throughput,
+                                   parse_budgets, parse_policies, reproduces)
+from kvcache.eval.harness import (SplitTrial, answer_tokens, build_engine, passkey_trials, pool_bytes, random_prompts,
+                                  split_passkey_text, split_passkey_trials)
 from kvcache.models.loader import read_checkpoint
 from word_tokenizer import WordTokenizer
 

@@ -12,8 +12,9 @@ import torch
 from kvcache.cli import main
 from kvcache.bench.corpus import (CORPUS_FILE, PASSKEY_FILLER, PASSKEY_QUESTION, Document, document_windows,
                                  load_corpus, passkey_keys, passkey_prompt, passkey_sentence)
-from kvcache.eval.kv_quality import (QualityStats, build_engine, evaluate_quality, measure_capacity, passkey_trials,
-                                     pool_bytes, ppl_delta_pct, token_metrics)
+from kvcache.eval.harness import (QualityStats, build_engine, evaluate_engines, passkey_trials, pool_bytes,
+                                  ppl_delta_pct, token_metrics)
+from kvcache.eval.kv_quality import measure_capacity
 from kvcache.memory.kv_cache_manager import blocks_for
 from kvcache.models.loader import read_checkpoint
 from word_tokenizer import WordTokenizer
@@ -71,7 +72,7 @@ def test_baseline_against_itself_and_a_quantized_cache(tiny_loaded):
         return build_engine(tiny_loaded, dtype, pool_bytes(tiny_loaded, dtype, 1, 80), 80)
 
     base_engine, again, int2 = engine("float32"), engine("float32"), engine("int2")
-    base, stats = evaluate_quality(base_engine, {"float32": again, "int2": int2}, docs, warmup=8, chunk_size=24)
+    base, stats = evaluate_engines(base_engine, {"float32": again, "int2": int2}, docs, warmup=8, chunk_size=24)
     assert base.positions == 2 * (80 - 1 - 8)
     assert base.kl == 0.0 and base.top1 == 1.0 and base.ppl == base.ppl_ref
     same = stats["float32"]  # a second float32 engine: the same numbers

@@ -14,9 +14,9 @@ from test_kv_quality import _tiny_corpus
 @pytest.mark.bench
 def test_command_end_to_end_on_a_tiny_model(tiny_llama, tmp_path, capsys):
     out = tmp_path / "w.json"
-    rc = main(["eval", "weights", "--model", tiny_llama, "--corpus", _tiny_corpus(tmp_path / "c.txt"), "--num-docs", "2",
-               "--context-len", "64", "--warmup", "4", "--chunk-size", "16", "--decode-prompt", "8", "--decode-tokens", "6",
-               "--variants", "int8,none:bfloat16", "--json", str(out)])
+    rc = main(["eval", "weights", "--model", tiny_llama, "--corpus", _tiny_corpus(tmp_path / "c.txt"),
+               "--num-docs", "2", "--context-len", "64", "--warmup", "4", "--chunk-size", "16", "--decode-prompt", "8",
+               "--decode-tokens", "6", "--variants", "int8,none:bfloat16", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())["variants"]
     assert list(r) == ["none:float32", "int8:float32", "none:bfloat16"]
