@@ -20,6 +20,7 @@ from kvcache.engine.kv_events import END_SEQ
 from kvcache.memory.block_hash import chain_hashes
 from kvcache.memory.kv_events import external_hash
 from kvcache.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvcache.server.request_params import chat_prompt
 
 log = logging.getLogger("kvcache")
 POLL_MS = 100  # the longest a new endpoint to follow waits for the subscriber thread
@@ -59,15 +60,15 @@ class EngineKeys:
     tokenizer reject raises (the caller falls back to approximate keys)."""
 
     def __init__(self, model: str | None, block_size: int) -> None:
-        from kvcache.models.loader import read_checkpoint  # these import torch: only where keys are computed
-        from kvcache.server.app import chat_prompt
-        self.tokenizer, self.chat_prompt = read_checkpoint(model).tokenizer, chat_prompt
+        # imported here: it imports torch, which only the keys' computation needs
+        from kvcache.models.loader import read_checkpoint
+        self.tokenizer = read_checkpoint(model).tokenizer
         self.block_size = block_size
 
     def __call__(self, body: dict, chat: bool) -> list[int]:
         if chat:
             req = ChatCompletionRequest.model_validate(body)
-            text = self.chat_prompt(self.tokenizer, req.messages, req.add_generation_prompt)
+            text = chat_prompt(self.tokenizer, req.messages, req.add_generation_prompt)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             req = CompletionRequest.model_validate(body)

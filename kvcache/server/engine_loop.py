@@ -17,9 +17,8 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
-
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -79,7 +78,7 @@ def build_engine(config) -> LLMEngine:
     def build() -> None:
         try:
             box["engine"] = LLMEngine(config)
-        except BaseException as e:  # re-raised on the caller's thread, with its traceback
+        except BaseException as e:  # noqa: BLE001 -- re-raised on the caller's thread, with its traceback
             box["error"] = e
 
     t = threading.Thread(target=build, name="kvcache-load", daemon=True)
@@ -194,7 +193,7 @@ class EngineLoop:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, stream=True,
                                         add_special_tokens=cmd.add_special_tokens, cache_salt=cmd.cache_salt,
                                         eviction=cmd.eviction)
-            except Exception as e:  # the handler turns it into an HTTP error
+            except Exception as e:  # noqa: BLE001 -- the handler turns it into an HTTP error
                 cmd.stream.loop.call_soon_threadsafe(_settle, cmd.accepted, e)
                 return
             self._streams[cmd.request_id] = cmd.stream

@@ -58,7 +58,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 if TYPE_CHECKING:  # the engine pulls in torch; this module needs only its attributes
     from kvcache.engine.llm_engine import LLMEngine, RequestOutput
@@ -96,17 +103,51 @@ class ServerMetrics:
         info = engine.kv_cache_info()
         self._bytes_total = int(info["total_bytes"])
         self._num_blocks = int(info["num_blocks"])  # usable blocks the KV budget bought
+        # Registered in this order, which is the order /metrics lists them in.
+        self._add_request_metrics()
+        self._add_latency_metrics()
+        self._add_kv_metrics(info)
+        self._tiers = {}
+        if engine.offload:
+            self._add_offload_metrics([t.name for t in engine.offload.tiers])
+        self._swaps = {name: self._counter(f"kv_swap_{name}", doc) for name, doc in (
+            ("out", "Preemptions that swapped the sequence's KV out to an offload tier (--preemption-mode swap)."),
+            ("in", "Swapped-out sequences resumed from the tier's copy."),
+            ("fallbacks", "Swap preemptions recomputed instead: the tier had no room, or a read failed."))}
+        self._events = self._counter("kv_events_published", "KV events published to --kv-events-endpoint.") \
+            if engine.event_publisher else None
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(model_name)
+        self._lock = threading.Lock()  # on_step/on_abort (engine thread) against log_line (any thread)
+        self._requests: dict[str, _RequestState] = {}
+        # Engine totals already added to the counters: the counters mirror the engine's totals.
+        self._seen: dict[str, int] = {}
+        self._log_time = time.monotonic()
+        self._log_tokens = {"prompt": 0, "generation": 0, "hits": 0, "queries": 0}  # since the last log line
+        self._last_running = self._last_waiting = 0
+        self._last_usage = self._last_hit_rate = 0.0
+        with self._lock:
+            self._refresh()
+            self._log_tokens = dict.fromkeys(self._log_tokens, 0)  # the first line covers only what follows
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(model_name)
+    # ---- registration -----------------------------------------------------------------------
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
-                             registry=self.registry).labels(model_name)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
+
+    def _labelled(self, kind: type, name: str, doc: str, labels: list[str]):
+        """A metric family with labels beyond model_name, to be given their values per sample."""
+        return kind(PREFIX + name, doc, ["model_name", *labels], registry=self.registry)
+
+    def _add_request_metrics(self) -> None:
+        """vLLM's scheduler, prefix cache, token and speculative decoding counts, and finished requests."""
+        gauge, counter = self._gauge, self._counter
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (new or preempted).")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage: fraction of usable blocks held by "
@@ -125,19 +166,27 @@ class ServerMetrics:
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens "
                                                                         "accepted.")
-        self._spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
-                                     "proposals whose token at this position was accepted.",
-                                     ["model_name", "position"], registry=self.registry)
-        self._success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
+        self._spec_per_pos = self._labelled(Counter, "spec_decode_num_accepted_tokens_per_pos", "Speculative "
+                                            "decoding: proposals whose token at this position was accepted.",
+                                            ["position"])
+        self._success = self._labelled(Counter, "request_success", "Finished requests, by finish reason.",
+                                       ["finished_reason"])
         for reason in FINISH_REASONS:  # present at 0 from the start, as vLLM does
-            self._success.labels(model_name, reason)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token, seconds.", TTFT_BUCKETS_S)
-        self.itl = histogram("inter_token_latency_seconds", "Time between a request's successive token steps, "
-                                                            "seconds.", ITL_BUCKETS_S)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, seconds.", REQUEST_LATENCY_BUCKETS_S)
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled, seconds.",
-                                    REQUEST_LATENCY_BUCKETS_S)
+            self._success.labels(self.model_name, reason)
+
+    def _add_latency_metrics(self) -> None:
+        """vLLM's latency histograms, with its buckets."""
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token, seconds.", TTFT_BUCKETS_S)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between a request's successive token "
+                                                                  "steps, seconds.", ITL_BUCKETS_S)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish, seconds.",
+                                   REQUEST_LATENCY_BUCKETS_S)
+        self.queue_time = self._histogram("request_queue_time_seconds", "Arrival to first scheduled, seconds.",
+                                          REQUEST_LATENCY_BUCKETS_S)
+
+    def _add_kv_metrics(self, info: dict) -> None:
+        """KV cache health: fragmentation, sequence lengths, hit rate, bytes, block states, the cache's config."""
+        gauge = self._gauge
         self.fragmentation = gauge("kv_block_fragmentation", "Fraction of token slots in running sequences' "
                                                              "blocks that hold no token yet (0..1).")
         self.seq_len_mean = gauge("running_seq_len_mean", "Mean length of running sequences, tokens.")
@@ -145,59 +194,39 @@ class ServerMetrics:
         self.hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hits / queries since start-up (0..1).")
         self.bytes_used = gauge("kv_cache_bytes_used", "Bytes of KV blocks held by sequences.")
         self.bytes_total = gauge("kv_cache_bytes_total", "Bytes of the whole KV block pool.")
-        blocks = Gauge(PREFIX + "kv_blocks", "KV blocks by state: used (held by a sequence), cached (idle, "
-                                             "holding a reusable prefix), free (idle, empty).",
-                       ["model_name", "state"], registry=self.registry)
-        self.blocks = {s: blocks.labels(model_name, s) for s in BLOCK_STATES}
+        blocks = self._labelled(Gauge, "kv_blocks", "KV blocks by state: used (held by a sequence), cached (idle, "
+                                                    "holding a reusable prefix), free (idle, empty).", ["state"])
+        self.blocks = {s: blocks.labels(self.model_name, s) for s in BLOCK_STATES}
         self.bytes_total.set(self._bytes_total)
         gauge("kv_cache_bytes_per_token", "Bytes one cached token costs across all layers, scales included "
                                           "(the planner's formula).").set(info["bytes_per_token"])
         config = {"block_size": info["block_size"], "cache_dtype": info["dtype"], "num_gpu_blocks": info["num_blocks"],
                   "bytes_per_token": info["bytes_per_token"], "residual_blocks_per_seq": info["seq_blocks"]}
-        Gauge(PREFIX + "cache_config_info", "KV cache configuration (value 1; the labels carry it). "
-              "residual_blocks_per_seq: pool blocks each request holds for its fp16 key residual (int4/int2).",
-              ["model_name", *config], registry=self.registry).labels(model_name, *map(str, config.values())).set(1)
+        self._labelled(Gauge, "cache_config_info", "KV cache configuration (value 1; the labels carry it). "
+                       "residual_blocks_per_seq: pool blocks each request holds for its fp16 key residual (int4/int2).",
+                       list(config)).labels(self.model_name, *map(str, config.values())).set(1)
 
-        self._tiers = {}
-        if engine.offload:
-            labels = ["model_name", "tier"]
-            for name, doc in (("hits", "Offload tier lookups that found the block."),
-                              ("misses", "Offload tier lookups that did not find the block."),
-                              ("stored_blocks", "Blocks written to an offload tier."),
-                              ("bytes_in", "Bytes written to an offload tier."),
-                              ("bytes_out", "Bytes read from an offload tier.")):
-                c = Counter(PREFIX + "kv_offload_" + name, doc, labels, registry=self.registry)
-                self._tiers[name] = {t.name: c.labels(model_name, t.name) for t in engine.offload.tiers}
-            self._tier_errors = Counter(PREFIX + "kv_offload_errors", "Offload values failed or refused, by reason.",
-                                        ["model_name", "tier", "reason"], registry=self.registry)
-            used = Gauge(PREFIX + "kv_offload_bytes_used", "Bytes an offload tier holds.", labels,
-                         registry=self.registry)
-            self._tier_used = {t.name: used.labels(model_name, t.name) for t in engine.offload.tiers}
-            self._loaded = counter("kv_offload_loaded_blocks", "Blocks loaded from the offload tiers into the pool "
-                                                               "instead of recomputed.")
-            self._load_seconds = histogram("kv_offload_load_seconds", "Seconds a step took to copy the blocks it "
-                                           "loaded from the offload tiers (and swap) into the pool.", LOAD_BUCKETS_S)
-            swap = Gauge(PREFIX + "kv_swap_bytes", "Bytes of swapped-out sequences an offload tier holds.", labels,
-                         registry=self.registry)
-            self._swap_bytes = {t.name: swap.labels(model_name, t.name) for t in engine.offload.tiers}
-        self._swaps = {name: counter(f"kv_swap_{name}", doc) for name, doc in (
-            ("out", "Preemptions that swapped the sequence's KV out to an offload tier (--preemption-mode swap)."),
-            ("in", "Swapped-out sequences resumed from the tier's copy."),
-            ("fallbacks", "Swap preemptions recomputed instead: the tier had no room, or a read failed."))}
-        self._events = counter("kv_events_published", "KV events published to --kv-events-endpoint.") \
-            if engine.event_publisher else None
+    def _add_offload_metrics(self, tiers: list[str]) -> None:
+        """Per offload tier: lookups, writes, bytes, errors, bytes held; and the loads into the pool."""
+        def per_tier(family) -> dict:
+            return {t: family.labels(self.model_name, t) for t in tiers}
 
-        self._lock = threading.Lock()  # on_step/on_abort (engine thread) against log_line (any thread)
-        self._requests: dict[str, _RequestState] = {}
-        # Engine totals already added to the counters: the counters mirror the engine's totals.
-        self._seen: dict[str, int] = {}
-        self._log_time = time.monotonic()
-        self._log_tokens = {"prompt": 0, "generation": 0, "hits": 0, "queries": 0}  # since the last log line
-        self._last_running = self._last_waiting = 0
-        self._last_usage = self._last_hit_rate = 0.0
-        with self._lock:
-            self._refresh()
-            self._log_tokens = dict.fromkeys(self._log_tokens, 0)  # the first line covers only what follows
+        for name, doc in (("hits", "Offload tier lookups that found the block."),
+                          ("misses", "Offload tier lookups that did not find the block."),
+                          ("stored_blocks", "Blocks written to an offload tier."),
+                          ("bytes_in", "Bytes written to an offload tier."),
+                          ("bytes_out", "Bytes read from an offload tier.")):
+            self._tiers[name] = per_tier(self._labelled(Counter, "kv_offload_" + name, doc, ["tier"]))
+        self._tier_errors = self._labelled(Counter, "kv_offload_errors", "Offload values failed or refused, by "
+                                           "reason.", ["tier", "reason"])
+        self._tier_used = per_tier(self._labelled(Gauge, "kv_offload_bytes_used", "Bytes an offload tier holds.",
+                                                  ["tier"]))
+        self._loaded = self._counter("kv_offload_loaded_blocks", "Blocks loaded from the offload tiers into the pool "
+                                                                 "instead of recomputed.")
+        self._load_seconds = self._histogram("kv_offload_load_seconds", "Seconds a step took to copy the blocks it "
+                                             "loaded from the offload tiers (and swap) into the pool.", LOAD_BUCKETS_S)
+        self._swap_bytes = per_tier(self._labelled(Gauge, "kv_swap_bytes", "Bytes of swapped-out sequences an "
+                                                   "offload tier holds.", ["tier"]))
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -257,15 +286,27 @@ class ServerMetrics:
 
     def _refresh(self) -> None:
         """Gauges from engine state, counters from the engine totals' growth."""
+        self._advance_totals()
+        if self._tiers:
+            self._advance_offload()
+        sched = self.engine.scheduler
+        for name, total in (("out", sched.num_swapped_out), ("in", sched.num_swapped_in),
+                            ("fallbacks", sched.num_swap_fallbacks)):
+            self._advance(f"swap:{name}", self._swaps[name], total)
+        if self._events is not None:
+            self._advance("events", self._events, self.engine.event_publisher.published_events)
+        self._set_pool_gauges()
+        self._set_sequence_gauges()
+
+    def _advance_totals(self) -> None:
+        """The token, prefix cache, preemption, speculative decoding and eviction counters (and the log line's)."""
         eng, kv = self.engine, self.engine.kv
-        sched = eng.scheduler
-        lt = self._log_tokens
-        lt["prompt"] += self._advance("prompt", self.prompt_tokens, eng.stats.prompt_tokens)
-        lt["generation"] += self._advance("generation", self.generation_tokens, eng.stats.generation_tokens)
+        st, lt = eng.stats, self._log_tokens
+        lt["prompt"] += self._advance("prompt", self.prompt_tokens, st.prompt_tokens)
+        lt["generation"] += self._advance("generation", self.generation_tokens, st.generation_tokens)
         lt["queries"] += self._advance("queries", self.prefix_queries, kv.stats.queries)
         lt["hits"] += self._advance("hits", self.prefix_hits, kv.stats.hits)
-        self._advance("preemptions", self.preemptions, sched.num_preemptions)
-        st = eng.stats
+        self._advance("preemptions", self.preemptions, eng.scheduler.num_preemptions)
         self._advance("spec_drafts", self.spec_drafts, st.spec_drafts)
         self._advance("spec_draft_tokens", self.spec_draft_tokens, st.spec_draft_tokens)
         self._advance("spec_accepted", self.spec_accepted, st.spec_accepted_tokens)
@@ -273,27 +314,28 @@ class ServerMetrics:
             self._advance(f"spec_pos:{pos}", self._spec_per_pos.labels(self.model_name, str(pos)), n)
         self._advance("evicted", self.evicted_tokens, eng.evictor.stats.evicted_tokens)
         self._advance("eviction_freed", self.eviction_freed_blocks, eng.evictor.stats.freed_blocks)
-        if self._tiers:
-            for tier in eng.offload.tiers:
-                st = tier.stats
-                for name, counters in self._tiers.items():
-                    self._advance(f"{tier.name}:{name}", counters[tier.name],
-                                  st.stored if name == "stored_blocks" else getattr(st, name))
-                for reason, n in list(st.errors.items()):
-                    self._advance(f"{tier.name}:error:{reason}", self._tier_errors.labels(self.model_name, tier.name,
-                                                                                          reason), n)
-                self._tier_used[tier.name].set(tier.used_bytes + tier.held_bytes)
-            self._advance("loaded", self._loaded, eng.offload.loaded_blocks)
-            for took in eng.offload.take_load_latencies():
-                self._load_seconds.observe(took)
-            for tier in eng.offload.tiers:
-                self._swap_bytes[tier.name].set(tier.held_bytes)
-        for name, total in (("out", sched.num_swapped_out), ("in", sched.num_swapped_in),
-                            ("fallbacks", sched.num_swap_fallbacks)):
-            self._advance(f"swap:{name}", self._swaps[name], total)
-        if self._events is not None:
-            self._advance("events", self._events, eng.event_publisher.published_events)
 
+    def _advance_offload(self) -> None:
+        """The offload tiers' counters and bytes held, and the loads into the pool."""
+        offload = self.engine.offload
+        for tier in offload.tiers:
+            st = tier.stats
+            for name, counters in self._tiers.items():
+                self._advance(f"{tier.name}:{name}", counters[tier.name],
+                              st.stored if name == "stored_blocks" else getattr(st, name))
+            for reason, n in list(st.errors.items()):
+                self._advance(f"{tier.name}:error:{reason}", self._tier_errors.labels(self.model_name, tier.name,
+                                                                                      reason), n)
+            self._tier_used[tier.name].set(tier.used_bytes + tier.held_bytes)
+        self._advance("loaded", self._loaded, offload.loaded_blocks)
+        for took in offload.take_load_latencies():
+            self._load_seconds.observe(took)
+        for tier in offload.tiers:
+            self._swap_bytes[tier.name].set(tier.held_bytes)
+
+    def _set_pool_gauges(self) -> None:
+        """Running and waiting requests, the pool's usage, block states and bytes, the hit rate."""
+        kv, sched = self.engine.kv, self.engine.scheduler
         running = {s.request_id for s in sched.running}
         waiting = {s.request_id for s in sched.waiting} - running
         self.running.set(len(running))
@@ -312,9 +354,12 @@ class ServerMetrics:
         self._last_hit_rate = kv.stats.hit_rate
         self.hit_rate.set(self._last_hit_rate)
 
+    def _set_sequence_gauges(self) -> None:
+        """The running sequences' fragmentation and lengths."""
+        kv = self.engine.kv
         slots = filled = 0
         lengths = []
-        for seq in sched.running:
+        for seq in self.engine.scheduler.running:
             released = kv.num_released(seq.seq_id) * kv.block_size  # sliding-window blocks given back
             n = len(kv.block_tables.get(seq.seq_id, ())) * kv.block_size - released
             slots += n

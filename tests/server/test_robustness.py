@@ -140,7 +140,7 @@ def test_a_refusal_names_the_field(odd, body, param):
 
 def test_the_pool_refusal_names_max_tokens():
     """The engine's message for a request larger than the whole pool (tests/engine/test_engine.py makes it)."""
-    from kvcache.server.app import _param_of
+    from kvcache.server.request_params import param_of as _param_of
     assert _param_of("request needs 19 KV blocks (300 tokens) but the whole pool has 16; raise --kv-cache-memory "
                      "or lower max_tokens") == "max_tokens"
     assert _param_of("the prompt cannot be tokenized: TypeError: n must be") == "prompt"

@@ -1,0 +1,24 @@
+"""The API's error responses: an APIError as the JSON body OpenAI's clients read, and the errors a request meets
+when the engine stops or fails it (5xx: the server's fault, not the client's)."""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from kvcache.server.protocol import APIError
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    """`exc` as {"error": {"message", "type", "param", "code"}} with its status and headers."""
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def engine_dead(rid: str) -> APIError:
+    """A request the engine could not run because it has stopped (503: the server is shutting down)."""
+    return APIError(503, f"the engine has stopped and this server is shutting down; retry once it is back "
+                         f"(request id {rid})", type="server_error", code="engine_dead")
+
+
+def engine_failed(rid: str, error: str) -> APIError:
+    """A request the engine failed (RequestOutput.error): the server's fault, not the client's."""
+    return APIError(500, f"{error} (request id {rid}; the server log has the details)", type="server_error",
+                    code="engine_error")
