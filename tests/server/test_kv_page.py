@@ -215,7 +215,9 @@ def test_the_page_in_a_headless_browser(slow_live, tmp_path):
         with httpx.Client(timeout=10) as c:  # the page draws what the API serves: the same document, the same pool
             api = c.get(f"{slow_live.url}/kv/snapshot", headers=AUTH).json()
         assert set(api) == set(snap) and api["pool"] == snap["pool"] and api["time"] >= snap["time"]
-        driver.find_elements(By.CSS_SELECTOR, "#requests tbody tr")[0].click()
+        # looked up and clicked in one script: the page redraws its rows on every snapshot, so a row found by one
+        # WebDriver call could be gone (StaleElementReferenceException) by the next on a loaded machine
+        driver.execute_script('document.querySelector("#requests tbody tr").click()')
         wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#requests tbody tr.selected"))
         picked = driver.execute_script(_READ_SELECTION)
         mine = [r for r in picked["snap"]["requests"] if r["id"] == picked["request"]]
