@@ -9,7 +9,7 @@ import sys
 from dataclasses import fields
 
 from kvcache.compress.spec import POLICIES
-from kvcache.config import WEIGHT_QUANTIZATIONS, EngineConfig, parse_bytes
+from kvcache.config import WEIGHT_QUANTIZATIONS, EngineConfig
 from kvcache.plan.cli import add_commands as add_plan_commands
 
 
@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer this one message and exit (default: read messages from the terminal)")
     c.set_defaults(func=cmd_chat)
 
-    add_plan_commands(sub, parse_bytes)
+    add_plan_commands(sub)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
     add_engine_args(sv)

@@ -204,9 +204,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, windows: tuple[int | No
     groups = [_decode_group(members, up, block_size, windows, device, decode_kernel, rows.kb, tables)
               for members in members_of]
     prefills = [_prefill_span(p, up, block_size, windows, device, read_cache, kivi, tables) for p in rows.pre]
-    kb = rows.kb
     return ForwardBatch(input_ids, positions, slot_mapping, logits_indices, groups, prefills, decode_kernel,
-                        kb.plan(device) if kb else None, capture_rows if rows.capture else None)
+                        rows.kb.plan(device) if rows.kb else None, capture_rows if rows.capture else None)
 
 
 @dataclass(slots=True)
@@ -222,8 +221,8 @@ class _Rows:
     # (row, context_len, table, full src rows, layer starts, row in `tables`, rows of the run it starts or 0)
     decodes: list[tuple[int, int, list[int], list[int], list[int] | None, int | None, int]] = field(
         default_factory=list)
-    pre: list[tuple[SeqChunk, int, int, list[int], int | None]] = field(default_factory=list)  # (chunk, row,
-    # context_len, full, table row)
+    # (chunk, row, context_len, full src rows, row in `tables`)
+    pre: list[tuple[SeqChunk, int, int, list[int], int | None]] = field(default_factory=list)
     kb: _KiviBuilder | None = None
 
 

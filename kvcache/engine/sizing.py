@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from kvcache.attention.metadata import SeqChunk, build_batch
-from kvcache.config import EngineConfig, parse_bytes
+from kvcache.config import EngineConfig
 from kvcache.engine.sampler import SamplingRow, sample
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.models.llama import LlamaModel
@@ -31,6 +31,7 @@ from kvcache.plan.kv_bytes import (KV_DTYPES, CacheCapacity, TableGroup, cache_c
                                    paged_window, table_groups)
 from kvcache.plan.report import human
 from kvcache.plan.shape import ModelShape
+from kvcache.plan.sizes import parse_bytes
 from kvcache.store.kv_store import KVStore
 
 log = logging.getLogger("kvcache")

@@ -355,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
     """Quality, passkey retrieval, memory and throughput of every policy and budget against the full cache:
     tables, JSON, plot."""
     from kvcache.compress.spec import EvictionSpec
-    from kvcache.config import parse_bytes
+    from kvcache.plan.sizes import parse_bytes
     policies, budgets, depths = _parse_args(args)
     capacity_memory = parse_bytes(args.capacity_memory)
     ckpt = load_checkpoint(args.model)

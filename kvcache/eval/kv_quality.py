@@ -198,7 +198,7 @@ def _capacity(ckpt: Checkpoint, names: list[str], memory: int, args: argparse.Na
 
 def run(args: argparse.Namespace) -> int:
     """Quality, passkey retrieval and capacity of every format against the float32 cache: table, JSON, plot."""
-    from kvcache.config import parse_bytes
+    from kvcache.plan.sizes import parse_bytes
     dtypes, depths = _parse_args(args)
     capacity_memory = parse_bytes(args.capacity_memory)
     ckpt = load_checkpoint(args.model)

@@ -40,7 +40,7 @@ from kvcache.native.host_memory import huge_page_zeros
 
 def code_rows() -> int:
     """Steps of at most this many rows take a layer's code panels (code_panel_linear) where it has them (8 with
-    AVX-512); 0 without the kernels."""
+    the AVX-512 and AVX2 variants, 0 with the scalar one); 0 without the kernels."""
     k = load()
     return 0 if k is None else k.code_rows()
 

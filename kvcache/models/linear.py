@@ -21,9 +21,10 @@ def check_int4_sizes(sizes: dict[str, int]) -> None:
 
 
 # Whether Dense.pack also keeps a float32 layer whose weights are a GGUF grid's (Q4_0/Q4_1, Q8_0) as codes that
-# decode to those very floats (cpu_kernels' code panels), for steps of up to code_rows() rows (8 with AVX-512; none
-# without): the same outputs from 0.75-1.25 bytes a weight instead of 4, decoded in registers (what single-stream
-# decode reads: docs/kernels.md). Larger steps keep the float32 panels, faster there (see CODE_ROWS in cpu_kernels).
+# decode to those very floats (cpu_kernels' code panels), for steps of up to code_rows() rows (8 with the AVX-512
+# and AVX2 kernels; none with the scalar ones): the same outputs from 0.75-1.25 bytes a weight instead of 4,
+# decoded in registers (what single-stream decode reads: docs/kernels.md). Larger steps keep the float32 panels,
+# faster there (see CODE_ROWS in csrc/linear/panels.cpp).
 EXACT_CODES = os.environ.get("KVCACHE_EXACT_CODES", "1") != "0"
 
 

@@ -1,28 +1,24 @@
 """`kvcache plan` and `kvcache simulate`: their flags and handlers, beside the planner and simulator they drive.
 
 Like the rest of plan/, this imports only kvcache.plan and the standard library, so both commands run without
-torch. Sizes such as 4GiB or 25% are read by the `parse_bytes` that kvcache.cli hands to `add_commands`
-(kvcache.config's, a layer above this one), so these flags read sizes as the engine's do."""
+torch. Sizes such as 4GiB or 25% are read by plan/sizes.py's `parse_bytes`, as the engine's flags are."""
 from __future__ import annotations
 
 import argparse
-import functools
 import os
-from collections.abc import Callable
 
 from kvcache.plan.capacity import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from kvcache.plan.sizes import parse_bytes
 
-ParseBytes = Callable[..., int]
 
-
-def add_commands(sub, parse_bytes: ParseBytes) -> None:
-    """The `plan` and `simulate` subcommands on the subparsers `sub`, sizes read by `parse_bytes`."""
+def add_commands(sub) -> None:
+    """The `plan` and `simulate` subcommands on the subparsers `sub`."""
     pl = sub.add_parser("plan", help="KV bytes per token, cache size and capacity for a model (no torch)")
     add_plan_args(pl)
-    pl.set_defaults(func=functools.partial(cmd_plan, parse_bytes=parse_bytes))
+    pl.set_defaults(func=cmd_plan)
     sm = sub.add_parser("simulate", help="replay a request trace through KV allocators and measure the waste")
     add_simulate_args(sm)
-    sm.set_defaults(func=functools.partial(cmd_simulate, parse_bytes=parse_bytes))
+    sm.set_defaults(func=cmd_simulate)
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -67,7 +63,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="the engine's tokens per step at most, for the activation estimate (default: %(default)s)")
 
 
-def cmd_plan(args: argparse.Namespace, parse_bytes: ParseBytes) -> int:
+def cmd_plan(args: argparse.Namespace) -> int:
     import dataclasses
 
     from kvcache.plan.capacity import plan_device, weight_dtype
@@ -185,7 +181,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="draw utilization over time for every allocator (default: no plot)")
 
 
-def cmd_simulate(args: argparse.Namespace, parse_bytes: ParseBytes) -> int:
+def cmd_simulate(args: argparse.Namespace) -> int:
     import dataclasses
 
     from kvcache.plan.capacity import weight_dtype

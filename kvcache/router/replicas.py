@@ -38,11 +38,8 @@ import time
 
 from kvcache.parallel.host import usable_cores
 from kvcache.router.deployments import ReplicaOptions, build_app
-from kvcache.router.ingress import relabel, relay
-from kvcache.router.prefix_router import PrefixRouter, check_routing, prefix_keys
+from kvcache.router.prefix_router import check_routing
 
-__all__ = ["PrefixRouter", "ReplicaOptions", "build_app", "check_routing", "prefix_keys", "relabel", "relay",
-           "serve_replicas"]
 log = logging.getLogger("kvcache")
 
 

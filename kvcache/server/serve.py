@@ -5,7 +5,8 @@ import argparse
 import logging
 import os
 
-from kvcache.config import EngineConfig, parse_bytes
+from kvcache.config import EngineConfig
+from kvcache.plan.sizes import parse_bytes
 
 log = logging.getLogger("kvcache.server")
 ENGINE_DEAD_STATUS = 3  # `kvcache serve` exits with it when the engine died (2 is bad input, as for every command)

@@ -28,7 +28,7 @@ def _draft(model: str, k: int = 3, **kw) -> dict:
 def _with_draft_cache(kw: dict) -> dict:
     """`kw` with twice its KV budget: the draft (of the target's shape) takes half, so the target's pool is as big
     as the plain engine's."""
-    from kvcache.config import parse_bytes
+    from kvcache.plan.sizes import parse_bytes
     return {**kw, "kv_cache_memory": 2 * parse_bytes(kw["kv_cache_memory"])}
 
 

@@ -568,7 +568,8 @@ def test_random_interleavings_keep_blocks_consistent(small, oracle, ops):
 
 
 def test_kv_cache_memory_accepts_sizes_and_shares():
-    from kvcache.config import EngineConfig, parse_bytes
+    from kvcache.config import EngineConfig
+    from kvcache.plan.sizes import parse_bytes
     assert parse_bytes("2GiB") == 2 * 2**30
     assert parse_bytes("500MB") == 500 * 10**6
     assert parse_bytes(1024) == 1024

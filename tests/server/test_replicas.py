@@ -17,7 +17,8 @@ import redis
 
 from kvcache.bench.replicas import start_replicas, stop_replicas
 from kvcache.router.kv_index import EngineKeys, EventSubscriber, decode_batch
-from kvcache.router.replicas import PrefixRouter, prefix_keys, relabel, relay
+from kvcache.router.ingress import relabel, relay
+from kvcache.router.prefix_router import PrefixRouter, prefix_keys
 from kvcache.engine.kv_events import encode_event
 from kvcache.memory.block_hash import chain_hashes
 from kvcache.memory.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
