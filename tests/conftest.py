@@ -16,6 +16,13 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
+# Triton reads TRITON_INTERPRET when a kernel is defined, and transformers can import triton in any test: set it
+# before anything does, so that where there is no GPU the Triton kernel tests run interpreted whatever ran first.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from redis_server import RedisServer
 from tiny_models import TINY_ARCHS, hf_model, make_tiny_model
 

@@ -68,7 +68,7 @@ class Dense(nn.Module):
     also looked up (a tied embedding). Where the C++ kernels build, W goes into panels of 32 output channels for
     their panel_linear (cpu_kernels.py), faster than oneDNN's linear on its own packed weights at decode's row counts
     and the same at prefill's (`kvcache bench linear`); each row's result is then independent of the batch. Without
-    them, oneDNN's blocked layout (faster than MKL's GEMM). `KVCACHE_PACKED_WEIGHTS=onednn` picks oneDNN's, `0`
+    them, or where only their plain C++ variant runs (no AVX2: 60-80x slower than oneDNN), oneDNN's blocked layout (faster than MKL's GEMM). `KVCACHE_PACKED_WEIGHTS=onednn` picks oneDNN's, `0`
     keeps MKL on the dense W. What each measured: docs/kernels.md."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool) -> None:
@@ -97,6 +97,8 @@ class Dense(nn.Module):
                 how == "0":
             return False
         kernels = cpu_kernels.load() if how == "1" else None
+        if kernels is not None and kernels.isa == "scalar" and torch.backends.mkldnn.is_available():
+            kernels = None  # the plain C++ panels run at a few GFLOP/s, oneDNN at the machine's (docs/kernels.md)
         if kernels is None and not torch.backends.mkldnn.is_available():
             return False
         exact = exact_codes(w.detach().t()) if kernels is not None and EXACT_CODES and cpu_kernels.code_rows() else None

@@ -60,3 +60,17 @@ def test_pack_refuses_what_it_cannot_pack(monkeypatch):
     monkeypatch.setenv("KVCACHE_PACKED_WEIGHTS", "panels")
     with pytest.raises(ValueError, match="KVCACHE_PACKED_WEIGHTS='panels': use 1"):
         Dense(8, 16, bias=False).pack()
+
+
+def test_the_plain_variant_keeps_onednn(cpu_isa):
+    """Panels where a vector variant runs; with the plain C++ one (no AVX2: its panels run 60-80x slower than
+    oneDNN's linear), oneDNN's layout, computing the same."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    d = Dense(64, 48, bias=True)
+    torch.nn.init.normal_(d.weight), torch.nn.init.normal_(d.bias)
+    x = torch.randn(5, 64)
+    want = d(x)
+    assert d.pack()
+    assert d.packed.is_mkldnn == (cpu_isa == "scalar")
+    torch.testing.assert_close(d(x), want, atol=1e-4, rtol=1e-5)
