@@ -192,6 +192,9 @@ def print_kv_summary(engine, out=None) -> None:
     if info["seq_blocks"]:
         print(f"residual  : {info['residual_bytes_per_seq']:,} bytes of fp16 keys per request (their 64-token group "
               f"is not complete yet), held in {info['seq_blocks']} pool blocks per request", file=out)
+    if info["state_slots"]:
+        print(f"state     : {info['state_bytes_per_seq']:,} bytes per sequence in {info['state_layers']} linear-attention"
+              f" / SSM layers, {info['state_slots']} slots = {human(info['state_bytes'])} beside the blocks", file=out)
     print(f"capacity  : {info['max_concurrency']:.1f} requests of max_model_len {info['max_model_len']:,} tokens",
           file=out)
     peak = st.peak_used_blocks

@@ -97,6 +97,9 @@ class ForwardBatch:
     # Per-layer-group block tables (memory/layer_groups.py): layer i reads and writes through layer_batches[i], the
     # batch built on its group's tables (same tokens, other slots and blocks); None: this batch serves every layer
     layer_batches: list[ForwardBatch] | None = None
+    # Recurrent layers (models/hybrid.py): which state slot each row reads and writes (store/state_store.StateBatch,
+    # set by the model runner); None for models without them
+    states: object | None = None
 
     def for_layer(self, i: int) -> ForwardBatch:
         """The batch layer i attends with."""

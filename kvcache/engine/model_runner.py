@@ -16,6 +16,7 @@ from kvcache.memory.layer_groups import GroupedKVCacheManager
 from kvcache.models.llama import LlamaModel
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
+from kvcache.store.state_store import StateBatch, StateStore
 
 
 SMALL_STEP_ROWS = 4  # at most this many tokens in a step: decode of a few sequences, bound by the weights' reads
@@ -26,11 +27,14 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, store: KVStore | QuantizedKVStore,
                  kv: KVCacheManager | GroupedKVCacheManager | None, device: torch.device, backend: str = "torch",
-                 layer_group: list[int] | None = None, windows: list[int | None] | None = None) -> None:
+                 layer_group: list[int] | None = None, windows: list[int | None] | None = None,
+                 states: StateStore | None = None) -> None:
         """`layer_group` (with a GroupedKVCacheManager): each layer's group, whose tables it reads. A tensor-parallel
         worker has no manager (`kv` None): rank 0's chunks carry the tables, and with `layer_group` each group's
-        (`windows`: each group's sliding window)."""
+        (`windows`: each group's sliding window). `states`: the recurrent layers' state pool, whose slots the
+        manager's StateSlots hand out."""
         self.model, self.store, self.kv, self.device = model, store, kv, device
+        self.states = states
         grouped = isinstance(kv, GroupedKVCacheManager) or (kv is None and windows is not None)
         if grouped != (layer_group is not None):
             raise ValueError("per-layer-group tables need both a GroupedKVCacheManager and each layer's group")
@@ -153,6 +157,8 @@ class ModelRunner:
             torch.set_num_threads(self.small_step_threads if rows <= SMALL_STEP_ROWS else self.all_threads)
         if logit_rows is not None:
             batch.logits_indices = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        if self.states is not None:
+            batch.states = self._state_batch(specs)
         self.captured = batch.captured_q  # per layer [rows, H, D], in chunk order (eviction scoring)
         # Denormal floats run many times slower on x86 CPUs; flush them to zero during the
         # forward only, since the setting is process-wide and other code may rely on them.
@@ -163,3 +169,20 @@ class ModelRunner:
             if flush:
                 torch.set_flush_denormal(False)
         return logits.float()
+
+    def _state_batch(self, specs: list[SeqChunk]) -> StateBatch:
+        """Each chunk's state slot: decode rows (one token after the first) stepped together, other chunks scanned
+        one by one, from zeros where they start the sequence. Forks' copies reach the pool first."""
+        slots = self.kv.states
+        self.states.copy(slots.take_copies())
+        spans, rows, decode_slots, row = [], [], [], 0
+        for c in specs:
+            n, slot = len(c.token_ids), slots.slot_of[c.seq_id]
+            if n == 1 and c.start > 0:
+                rows.append(row)
+                decode_slots.append(slot)
+            else:
+                spans.append((row, n, slot, c.start == 0))
+            row += n
+        long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return StateBatch(self.states, spans, long(rows), long(decode_slots))

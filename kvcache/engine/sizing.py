@@ -33,6 +33,7 @@ from kvcache.plan.report import human
 from kvcache.plan.shape import ModelShape
 from kvcache.plan.sizes import parse_bytes
 from kvcache.store.kv_store import KVStore
+from kvcache.store.state_store import StateBatch, StateStore
 
 log = logging.getLogger("kvcache")
 CPU_DEFAULT_KV_BYTES = 2 * 2**30  # half of vLLM CPU backend's 4 GiB: zeroing 4 GiB takes ~6 s here
@@ -155,8 +156,8 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
     compute_bytes = model.compute_dtype.itemsize
 
     def portable(budget: int) -> int:
-        return 0 if backend != "torch" else portable_attention_bytes(config, shape, max_model_len, compute_bytes,
-                                                                     budget // per_token)
+        return 0 if backend != "torch" or not per_token else portable_attention_bytes(
+            config, shape, max_model_len, compute_bytes, budget // per_token)
     budget = kv_budget(config, device, model, portable, graphs)
     if draft_bytes_per_token:
         both = config.block_size * (per_token + draft_bytes_per_token)
@@ -174,7 +175,9 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
     groups = layer_groups_for(shape, config, kv_dtype)
     release = release_window(shape, config) is not None or bool(groups)
     capacity = cache_capacity(shape, kv_dtype, share, config.block_size, max_model_len, release=release,
-                              groups=groups if groups else None, tensor_parallel_size=tp)
+                              groups=groups if groups else None, tensor_parallel_size=tp,
+                              state_dtype=str(model.compute_dtype).removeprefix("torch."),
+                              state_slots=state_slots(shape, config))
     one_request = peak_blocks(max_model_len, [g.window for g in groups] or [None], config) + capacity.seq_blocks
     if budget.derived and capacity.num_blocks < one_request:
         raise ValueError(f"the KV cache this device leaves ({budget}) holds {capacity.num_blocks:,} blocks, fewer than "
@@ -182,6 +185,29 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
                          "--max-model-len, or give --kv-cache-memory"
                          + (" or raise --gpu-memory-utilization" if device.type == "cuda" else ""))
     return budget, capacity
+
+
+def check_recurrent(config: EngineConfig, shape: ModelShape, kv_dtype: str) -> None:
+    """ValueError naming what cannot work with linear-attention / SSM layers (their state is one per sequence, as of
+    its last token: nothing can drop, move or guess tokens under it), before anything loads."""
+    refused = {"kv_eviction " + str(config.kv_eviction): config.eviction.enabled,
+               f"kv_cache_dtype {kv_dtype} (KIVI)": KV_DTYPES[kv_dtype].scales == "kivi",
+               "speculative decoding": config.speculative is not None,
+               "--preemption-mode swap": config.preemption_mode == "swap",
+               "the KV offload tiers": bool(config.kv_offload_memory or config.kv_offload_dir or config.kv_remote),
+               f"tensor_parallel_size {config.tensor_parallel_size}": config.tensor_parallel_size > 1,
+               f"--quantization {config.quantization}": config.quantization != "none"}
+    on = [name for name, yes in refused.items() if yes]
+    if on:
+        raise ValueError(f"{shape.model_type or 'this model'} has {shape.count('linear')} linear-attention / SSM "
+                         f"layers: {' and '.join(on)} cannot run on their per-sequence state yet (turn "
+                         f"{'them' if len(on) > 1 else 'it'} off)")
+
+
+def state_slots(shape: ModelShape, config: EngineConfig) -> int:
+    """Slots of the state pool of a model with linear-attention / SSM layers: one per sequence a step can run
+    (max_num_seqs), so that the pool never stops an admission the blocks allow; 0 for other models."""
+    return config.max_num_seqs if "linear" in shape.layer_kinds else 0
 
 
 def release_window(shape: ModelShape, config: EngineConfig) -> int | None:
@@ -261,6 +287,12 @@ def profile_forward(model: LlamaModel, config: EngineConfig, device: torch.devic
         base = torch.cuda.memory_allocated(device)
     batch = build_batch(chunks, block, model.windows, device)
     batch.logits_indices = torch.arange(tokens - rows, tokens, device=device)
+    if getattr(model, "num_recurrent_layers", 0):  # each chunk a fresh sequence in a slot of its own
+        states = StateStore(model.num_recurrent_layers, len(chunks), model.state_shapes, dtype, device)
+        starts = [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+        batch.states = StateBatch(states, [(s, len(c.token_ids), i, True) for i, (s, c) in enumerate(zip(starts, chunks))],
+                                  torch.zeros(0, dtype=torch.long, device=device),
+                                  torch.zeros(0, dtype=torch.long, device=device))
     logits = model(batch, store).float()
     sample(logits, [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), None, [], 0) for _ in range(rows)])
     if not cuda:

@@ -23,7 +23,7 @@ from kvcache.engine.kv_events import ZmqEventPublisher
 from kvcache.engine.model_runner import ModelRunner
 from kvcache.engine.outputs import Request
 from kvcache.engine.scheduler import Scheduler
-from kvcache.engine.sizing import (kv_capacity, layer_groups_for, peak_blocks, release_window, resolve_device_dtype,
+from kvcache.engine.sizing import (check_recurrent, kv_capacity, layer_groups_for, peak_blocks, release_window, resolve_device_dtype,
                                    slow_half_precision, why_every_block_is_kept)
 from kvcache.engine.stats import EngineStats
 from kvcache.engine.stop_checker import StopChecker
@@ -31,10 +31,10 @@ from kvcache.engine.tp_worker import serve_as_launched_worker
 from kvcache.memory.kv_cache_manager import KVCacheManager
 from kvcache.memory.kv_events import KVEventLog
 from kvcache.memory.layer_groups import GroupedKVCacheManager
+from kvcache.memory.state_slots import StateSlots
 from kvcache.messages import describe
 from kvcache.native import host_memory
-from kvcache.models.llama import layer_windows
-from kvcache.models.loader import LoadedModel, build_model, read_checkpoint
+from kvcache.models.loader import LoadedModel, build_model, model_windows, read_checkpoint
 from kvcache.offload.offloader import make_offloader, offload_tiers
 from kvcache.parallel.group import MirroredStore, TensorParallel
 from kvcache.parallel.sharding import build_shard, check_tensor_parallel, head_share
@@ -42,6 +42,7 @@ from kvcache.plan.kv_bytes import KV_DTYPES, check_kv_format, kv_formula, pool_t
 from kvcache.plan.report import human
 from kvcache.plan.shape import shape_from_config
 from kvcache.store.quantized_store import check_latent_format, make_store
+from kvcache.store.state_store import StateStore, state_formula
 
 log = logging.getLogger("kvcache")
 
@@ -90,7 +91,7 @@ class EngineStartup:
         self._mla = "mla" in self.shape.layer_kinds
         if self._mla:
             check_latent_format(self.kv_dtype)  # before anything is loaded
-        windows = layer_windows(hf)
+        windows = model_windows(hf)
         self._sliding = any(w is not None for w in windows)
         self.release_window = release_window(self.shape, config)
         if config.speculative is not None and self.release_window:
@@ -101,6 +102,9 @@ class EngineStartup:
         if any(windows[i] != g.window for g in self.layer_groups for i in g.layers):
             raise RuntimeError(f"the planner's layer groups {self.layer_groups} do not match the model's windows {windows}")
         self._kivi_group = KV_DTYPES[self.kv_dtype].group if KV_DTYPES[self.kv_dtype].scales == "kivi" else 0
+        self.recurrent = "linear" in self.shape.layer_kinds
+        if self.recurrent:
+            check_recurrent(config, self.shape, self.kv_dtype)
         if config.eviction.enabled:
             self._check_eviction(config.eviction)
         self.backend, why = resolve_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
@@ -146,13 +150,17 @@ class EngineStartup:
                                                  self.drafter.bytes_per_token if self.drafter else 0,
                                                  self.graphs.estimator(lambda: self._make_store(2)))
         # One more physical block than the budget buys: block 0, the null block that pads tables.
-        caching = config.prefix_caching_algo if config.enable_prefix_caching else None
+        caching = config.prefix_caching_algo if config.enable_prefix_caching and not self.recurrent else None
+        self.state_slots = StateSlots(self.capacity.state_slots) if self.capacity.state_slots else None
+        self.state_store = StateStore(self.model.num_recurrent_layers, self.capacity.state_slots,
+                                      self.model.state_shapes, self.dtype, self.device) if self.state_slots else None
         if self.layer_groups:
             self.kv = GroupedKVCacheManager(self.capacity.num_blocks + 1, config.block_size,
                                             [g.window for g in self.layer_groups], caching)
         else:
             self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size, caching,
-                                     seq_blocks=self.capacity.seq_blocks, events=self.kv_events)
+                                     seq_blocks=self.capacity.seq_blocks, events=self.kv_events,
+                                     states=self.state_slots)
         self.store = self._make_store(self.capacity.num_blocks + 1, self.capacity.bytes_per_token)
         local_store = self._local_store = self.store  # this rank's: self.store reaches every rank under TP
         if self.tp is not None:  # every rank's store has as many blocks; forks' copies and scrubs reach them all
@@ -179,7 +187,8 @@ class EngineStartup:
         """The runner and its CUDA graphs, the evictor, the draft's cache, and empty request state."""
         local_store = self._local_store
         self.spec = config.speculative
-        self.runner = ModelRunner(self.model, local_store, self.kv, self.device, self.backend, self._layer_group)
+        self.runner = ModelRunner(self.model, local_store, self.kv, self.device, self.backend, self._layer_group,
+                                  states=self.state_store)
         self.runner.graphs = self.graphs.capture(local_store, self.capacity.num_blocks + 1)
         if self.tp is not None:
             self.runner.tp = self.tp
@@ -187,7 +196,7 @@ class EngineStartup:
         if self.drafter is not None:
             self.drafter.make_cache(self.capacity.num_blocks + 1, config.block_size)
         self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.model.kv_layout[0],
-                               self.model.layers[0].scale, self.device, self._layer_group,
+                               self.model.attention_scale, self.device, self._layer_group,
                                head_share(self.model.tp.shard) if self.tp else None, self.tp)
         self.eos_token_ids = self._eos_ids(hf)
         self._sampler_eos = next(iter(self.eos_token_ids), None)  # the EOS min_tokens forbids
@@ -226,6 +235,12 @@ class EngineStartup:
                  self._kv_formula(),
                  f"; plus {c.seq_blocks} blocks per request for its fp16 key residual" if c.seq_blocks else "",
                  f"{c.max_model_len:,}", c.max_concurrency)
+        if self.state_store is not None:
+            log.info("state pool (%d linear-attention / SSM layers): %d slots x %s bytes/sequence = %s, beside the "
+                     "blocks (%s); prefix caching is off: a cached prefix would need its state too",
+                     self.model.num_recurrent_layers, c.state_slots, f"{self.state_store.bytes_per_slot:,}",
+                     human(c.state_bytes), state_formula(self.model.state_shapes, self.model.num_recurrent_layers,
+                                                         self.dtype))
 
     def _kv_formula(self) -> str:
         """The bytes-per-token formula of this process's store: each rank's heads under tensor parallelism."""
@@ -240,7 +255,7 @@ class EngineStartup:
         if self.layer_groups:
             slot_of = {i: group.layers.index(i) for group in self.layer_groups for i in group.layers}
             slots = [slot_of[i] for i in range(self.shape.num_layers)]
-        layers = len(self.layer_groups[0].layers) if self.layer_groups else self.shape.num_layers
+        layers = len(self.layer_groups[0].layers) if self.layer_groups else self.shape.num_kv_layers
         kw = dict(num_layers=layers, num_blocks=num_blocks, block_size=self.config.block_size, num_kv_heads=kv_heads,
                   head_dim=head_dim, kv_cache_dtype=self.kv_dtype, compute_dtype=self.dtype,
                   expected_bytes_per_token=bytes_per_token, latent=latent, layer_slots=slots)

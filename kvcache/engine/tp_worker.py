@@ -36,7 +36,7 @@ def worker_main(rank: int, size: int, init_method: str, spec: WorkerSpec) -> Non
     store_args, backend, layer_group, windows = receive()
     store = with_backend_write(make_store(device=device, **store_args), backend)
     runner = ModelRunner(model, store, None, device, backend, layer_group, windows)
-    evictor = WorkerEvictor(Evictor(store, None, len(model.layers), model.kv_layout[0], model.layers[0].scale, device,
+    evictor = WorkerEvictor(Evictor(store, None, len(model.layers), model.kv_layout[0], model.attention_scale, device,
                                     layer_group, head_share(model.tp.shard)))
     with torch.inference_mode():
         while (msg := receive()) is not None:

@@ -22,6 +22,7 @@ from typing import Literal
 
 from kvcache.memory.block_hash import BlockKey, chain_hashes
 from kvcache.memory.block_pool import BlockPool, OutOfBlocksError, blocks_for
+from kvcache.memory.state_slots import StateSlots
 from kvcache.memory.compaction import TableCompaction
 from kvcache.memory.kv_events import KVEventLog, stored_runs
 from kvcache.memory.radix_cache import RadixCache, RadixNode
@@ -59,16 +60,22 @@ class KVCacheManager(TableCompaction):
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: PrefixCaching | None = None,
                  seq_blocks: int = 0, events: KVEventLog | None = None, pool: BlockPool | None = None,
-                 tag: tuple = ()) -> None:
+                 tag: tuple = (), states: StateSlots | None = None) -> None:
         """`pool`: draw from this pool (shared with other managers: per-layer-group tables, memory/layer_groups.py)
         instead of a new one of `num_blocks`. `tag` joins every sequence's extra keys, so that managers sharing a
-        pool never find each other's blocks in the prefix cache (their blocks hold other layers)."""
+        pool never find each other's blocks in the prefix cache (their blocks hold other layers). `states` (a model
+        with linear-attention / SSM layers): a sequence takes a state slot with its first blocks and gives it back
+        with them; a fork copies the parent's."""
         if prefix_caching not in (None, "hash", "radix"):
             raise ValueError(f"prefix_caching must be None, 'hash' or 'radix', got {prefix_caching!r}")
         if pool is not None and prefix_caching == "radix":
             raise ValueError("a shared pool cannot serve the radix prefix cache (the tree owns its blocks)")
+        if states is not None and prefix_caching is not None:
+            raise ValueError("a prefix cache of blocks alone cannot serve sequences with recurrent state (a hit "
+                             "would skip the tokens that state needs)")
         self.block_size = block_size
         self.seq_blocks = seq_blocks
+        self.states = states
         self.tag = tag
         self.pool = pool if pool is not None else BlockPool(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
@@ -217,6 +224,10 @@ class KVCacheManager(TableCompaction):
             return True
         if self.blocks_needed(seq_id, num_tokens, prefix) > self.num_free_blocks:
             return False
+        if table is None and self.states is not None:
+            if not self.states.num_free:
+                return False
+            self.states.allocate(seq_id)
         if table is None:
             table = self.block_tables[seq_id] = list(prefix)
             held = [b for b in prefix if b != BlockPool.NULL_BLOCK]  # a window_prefix starts with null entries
@@ -381,6 +392,8 @@ class KVCacheManager(TableCompaction):
         if self.num_free_blocks < partial + len(private):
             raise OutOfBlocksError(f"{partial + len(private)} free blocks needed to fork a sequence, "
                                    f"{self.num_free_blocks} free")
+        if self.states is not None:
+            self.states.fork(parent_id, child_id)  # OutOfStateSlotsError (nothing changed) if no slot is free
         self.pool.share([b for b in shared if b != BlockPool.NULL_BLOCK])
         dst = self._take_free(partial + len(private))
         copies = list(zip(parent[n_full:n_full + partial] + private, dst))
@@ -429,6 +442,8 @@ class KVCacheManager(TableCompaction):
         private = self.private_blocks.pop(seq_id, None)
         if private:
             self.pool.free(private)
+        if self.states is not None:
+            self.states.free(seq_id)
         if table:
             # Free newest first, so that a sequence's last blocks are evicted before its first ones.
             self.pool.free(table[::-1])

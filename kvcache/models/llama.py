@@ -63,6 +63,7 @@ class LlamaModel(nn.Module):
 
     layer_class = DecoderLayer
     ARCHITECTURES = SUPPORTED_ARCHITECTURES
+    windows_of = staticmethod(layer_windows)  # each layer's sliding window from a config (None: full attention)
     # Whether a decode forward can be captured in a CUDA graph (engine/cuda_graphs.py: no data-dependent host work)
     CUDA_GRAPHS = True
     CUDA_GRAPHS_WHY = ""
@@ -161,6 +162,11 @@ class LlamaModel(nn.Module):
             group.block_table, group.context_lens, cpu_kernel.NO_RUNS if group.runs is None else group.runs,
             first.scale, cpu_kernel.SPLIT_TOKENS)
         return out, residual
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of the attention layers' scores (eviction scores with it)."""
+        return self.layers[0].scale
 
     @property
     def kv_layout(self) -> tuple[int, int, bool]:

@@ -13,18 +13,22 @@ from kvcache.models.deepseek import DeepseekModel
 from kvcache.models.deepseek import check_config as check_deepseek_config
 from kvcache.models.gemma import Gemma2Model, Gemma3Model
 from kvcache.models.gemma import check_config as check_gemma_config
-from kvcache.models.llama import LlamaModel, layer_windows
+from kvcache.models.hybrid import HybridModel
+from kvcache.models.hybrid import check_config as check_hybrid_config
+from kvcache.models.llama import LlamaModel
 from kvcache.models.weights import GGUFSource, SafetensorsSource, WeightSource
 from kvcache.plan.model_source import demo_model_path
 
-__all__ = ["LoadedModel", "ModelLoadError", "build_model", "demo_model_path", "read_checkpoint", "read_config"]
+__all__ = ["LoadedModel", "ModelLoadError", "build_model", "demo_model_path", "model_windows", "read_checkpoint",
+           "read_config"]
 
 
 # model_type -> the decoder that runs it
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {**{a: LlamaModel for a in LlamaModel.ARCHITECTURES},
                                               **{a: Gemma2Model for a in Gemma2Model.ARCHITECTURES},
                                               **{a: Gemma3Model for a in Gemma3Model.ARCHITECTURES},
-                                              **{a: DeepseekModel for a in DeepseekModel.ARCHITECTURES}}
+                                              **{a: DeepseekModel for a in DeepseekModel.ARCHITECTURES},
+                                              **{a: HybridModel for a in HybridModel.ARCHITECTURES}}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
 
@@ -119,13 +123,21 @@ def _check_arch(config: PretrainedConfig, path: str) -> None:
         raise ModelLoadError(f"{path}: architecture {config.model_type!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     try:
-        layer_windows(config)
+        model_windows(config)
+        if MODEL_CLASSES[config.model_type] is HybridModel:
+            check_hybrid_config(config)
         if MODEL_CLASSES[config.model_type] in (Gemma2Model, Gemma3Model):
             check_gemma_config(config)
         if MODEL_CLASSES[config.model_type] is DeepseekModel:
             check_deepseek_config(config)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
+
+
+def model_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each layer's sliding window (None: full attention, or a layer that keeps no KV), as its decoder reads them;
+    ValueError naming the field where the config's layer kinds do not add up."""
+    return MODEL_CLASSES[config.model_type].windows_of(config)
 
 
 def build_model(loaded: LoadedModel, max_positions: int, device: str | torch.device = "cpu",

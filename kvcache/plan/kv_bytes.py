@@ -293,6 +293,8 @@ def kv_formula(shape: ModelShape, dtype: str, tensor_parallel_size: int = 1) -> 
                     f"V {_term(shape.head_dim, spec, False)}) bytes")
         terms.append(f"{g.count} {g.kind} layers x {what} = {g.count * g.bytes_per_token:,}")
     total = kv_bytes_per_token(shape, dtype, tensor_parallel_size)
+    if not terms:
+        return "no layer stores K/V: 0 bytes/token"
     return (" + ".join(terms) if len(terms) > 1 else terms[0].rsplit(" = ", 1)[0]) + f" = {total:,} bytes/token"
 
 
@@ -310,6 +312,8 @@ class CacheCapacity:
     seq_blocks: int = 0  # blocks each request also needs for its per-sequence buffers (residual keys, state)
     blocks_per_request: int = 0  # blocks one request of max_model_len tokens holds at most, seq_blocks included
     layers_per_block: int = 0  # with per-layer-group tables (table_groups): the layers one block holds; 0: all
+    state_slots: int = 0  # sequences whose linear-attention / SSM state the state pool holds (0: no such pool)
+    state_bytes: int = 0  # that pool's bytes (beside total_bytes, the blocks')
 
 
 def pool_tokens(num_blocks: int, block_size: int, layers_per_block: int, num_layers: int) -> str:
@@ -323,11 +327,13 @@ def pool_tokens(num_blocks: int, block_size: int, layers_per_block: int, num_lay
 
 
 def sequence_blocks(shape: ModelShape, dtype: str, block_size: int, tensor_parallel_size: int = 1,
-                    state_dtype: str = "bfloat16") -> int:
-    """Blocks' worth of memory a request needs besides its tokens: quantization residual and linear-layer state."""
+                    state_dtype: str | None = "bfloat16") -> int:
+    """Blocks' worth of memory a request needs besides its tokens: quantization residual and linear-layer state
+    (not the state where `state_dtype` is None: a pool of its own holds it)."""
     block_bytes = kv_bytes_per_token(shape, dtype, tensor_parallel_size) * block_size
-    extra = (residual_bytes_per_seq(shape, dtype, tensor_parallel_size)
-             + state_bytes_per_seq(shape, state_dtype, tensor_parallel_size))
+    extra = residual_bytes_per_seq(shape, dtype, tensor_parallel_size)
+    if state_dtype is not None:
+        extra += state_bytes_per_seq(shape, state_dtype, tensor_parallel_size)
     return -(-extra // block_bytes) if block_bytes else 0
 
 
@@ -343,7 +349,7 @@ def check_kv_format(shape: ModelShape, dtype: str, block_size: int, tensor_paral
 
 def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size: int, max_model_len: int,
                    tensor_parallel_size: int = 1, state_dtype: str = "bfloat16", release: bool = True,
-                   groups: list[TableGroup] | None = None) -> CacheCapacity:
+                   groups: list[TableGroup] | None = None, state_slots: int = 0) -> CacheCapacity:
     """Blocks, tokens and concurrency a budget of `budget_bytes` buys. Raises if not even one block fits.
 
     A request of L tokens takes ceil(L / block_size) blocks plus `sequence_blocks` for its
@@ -354,9 +360,16 @@ def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size:
     Not `release` (the engine keeps every block: the radix prefix cache, or a feature that needs one table): one
     table of every layer, every block kept. `groups` gives the engine's layer groups where they are not the
     model's own (PyramidKV's one table per layer: every block kept until eviction frees some).
+    `state_slots` (the engine's way with linear-attention / SSM layers): their state lives in a pool of that many
+    sequences' states, taken from the budget first; the blocks are bought with the rest, and at most that many
+    requests run at once. A model of such layers only stores nothing per token: its blocks are bookkeeping (0
+    bytes), as many as `state_slots` requests of max_model_len tokens hold.
     """
     tp = tensor_parallel_size
     per_token = check_kv_format(shape, dtype, block_size, tp)
+    if state_slots:
+        return _capacity_with_state_pool(shape, dtype, budget_bytes, block_size, max_model_len, tp, state_dtype,
+                                         state_slots)
     if groups is None:  # KIVI's fp16 key residual needs one table of every layer, as the engine keeps
         groups = table_groups(shape) if release and kv_dtype(dtype).scales != "kivi" else []
     if groups:  # a block holds one group's layers; a token costs that in each group's table
@@ -374,3 +387,31 @@ def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size:
     return CacheCapacity(per_token, block_size, num_blocks, num_blocks * block_size, num_blocks * block_bytes,
                          max_model_len, num_blocks / blocks_per_request, extra, blocks_per_request,
                          len(groups[0].layers) if groups else 0)
+
+
+def state_pool_bytes(shape: ModelShape, state_slots: int, state_dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Bytes of a pool of `state_slots` sequences' linear-attention / SSM state."""
+    return state_slots * state_bytes_per_seq(shape, state_dtype, tensor_parallel_size)
+
+
+def _capacity_with_state_pool(shape: ModelShape, dtype: str, budget_bytes: int, block_size: int, max_model_len: int,
+                              tp: int, state_dtype: str, state_slots: int) -> CacheCapacity:
+    """cache_capacity where the state has a pool of its own (see there)."""
+    state = state_pool_bytes(shape, state_slots, state_dtype, tp)
+    per_token = kv_bytes_per_token(shape, dtype, tp)
+    if budget_bytes <= state:
+        raise ValueError(f"KV cache budget of {budget_bytes:,} bytes does not hold the state of {state_slots} "
+                         f"sequences ({state_slots} x {state_bytes_per_seq(shape, state_dtype, tp):,} bytes = "
+                         f"{state:,} bytes): raise it, or lower --max-num-seqs")
+    extra = sequence_blocks(shape, dtype, block_size, tp, None)
+    per_request = group_blocks(None, max_model_len, block_size) + extra
+    if per_token:
+        num_blocks = (budget_bytes - state) // (per_token * block_size)
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget_bytes:,} bytes holds the state of {state_slots} sequences "
+                             f"({state:,} bytes) but no block beside it ({block_size} tokens x {per_token:,} bytes)")
+    else:
+        num_blocks = state_slots * per_request
+    return CacheCapacity(per_token, block_size, num_blocks, num_blocks * block_size, num_blocks * block_size * per_token,
+                         max_model_len, min(num_blocks / per_request, state_slots), extra, per_request, 0,
+                         state_slots, state)

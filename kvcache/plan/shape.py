@@ -114,6 +114,12 @@ def _layer_kinds(cfg: dict, n: int, model_type: str) -> tuple[tuple[str, ...], l
         if len(cfg["layer_types"]) != n:
             raise ConfigError(f"layer_types has {len(cfg['layer_types'])} entries for {n} layers")
         return tuple(names[t] for t in cfg["layer_types"]), ["per-layer kinds from layer_types"]
+    if model_type in ("mamba", "mamba2"):
+        return ("linear",) * n, [f"{model_type}: every layer a state-space mixer"]
+    if model_type == "bamba" or "attn_layer_indices" in cfg:
+        at = set(cfg.get("attn_layer_indices") or ())
+        return (tuple("full" if i in at else "linear" for i in range(n)),
+                [f"attention at layers {sorted(at)}, Mamba-2 mixers elsewhere"])
     if cfg.get("full_attention_interval"):  # Qwen3-Next: the released config states only the interval
         every = cfg["full_attention_interval"]
         return (tuple("full" if (i + 1) % every == 0 else "linear" for i in range(n)),
@@ -138,6 +144,11 @@ def _layer_kinds(cfg: dict, n: int, model_type: str) -> tuple[tuple[str, ...], l
     return ("full",) * n, []
 
 
+# Mamba2Config's names -> Bamba's (mamba_*), for a Mamba-2 mixer's sizes
+_MAMBA2_FIELDS = {"num_heads": "mamba_n_heads", "head_dim": "mamba_d_head", "n_groups": "mamba_n_groups",
+                  "state_size": "mamba_d_state", "conv_kernel": "mamba_d_conv"}
+
+
 def _linear_state(cfg: dict, model_type: str, hidden: int) -> tuple[int, int]:
     """(values of state per linear layer and request, heads) for the hybrid models we know."""
     if "linear_num_value_heads" in cfg:  # Gated DeltaNet (Qwen3-Next): recurrent state + causal-conv state
@@ -145,6 +156,17 @@ def _linear_state(cfg: dict, model_type: str, hidden: int) -> tuple[int, int]:
         kd, vd = _need(cfg, "linear attention", "linear_key_head_dim"), _need(cfg, "linear attention", "linear_value_head_dim")
         conv = _need(cfg, "linear attention", "linear_conv_kernel_dim")
         return vh * kd * vd + (2 * kh * kd + vh * vd) * (conv - 1), vh
+    if model_type == "mamba2" or "mamba_n_heads" in cfg:  # Mamba-2: SSM state per head + conv state of x, B and C
+        m = {k: cfg.get(k if model_type == "mamba2" else v) for k, v in _MAMBA2_FIELDS.items()}
+        if not isinstance(m["head_dim"], int):  # Bamba's "auto": the mixer's channels over its heads
+            m["head_dim"] = _need(cfg, "Mamba-2 layers", "mamba_expand") * hidden // m["num_heads"]
+        missing = [k for k, v in m.items() if not isinstance(v, int) or v < 1]
+        if missing:
+            raise ConfigError(f"{model_type}'s Mamba-2 layers need positive integers for "
+                              f"{', '.join(k if model_type == 'mamba2' else _MAMBA2_FIELDS[k] for k in missing)}")
+        d_inner = m["num_heads"] * m["head_dim"]
+        conv = (d_inner + 2 * m["n_groups"] * m["state_size"]) * (m["conv_kernel"] - 1)
+        return d_inner * m["state_size"] + conv, m["num_heads"]
     if "mamba_d_state" in cfg:  # Mamba-1 (Jamba): SSM state + conv state per channel of d_inner
         d_inner = _need(cfg, "Mamba layers", "mamba_expand") * hidden
         return d_inner * _need(cfg, "Mamba layers", "mamba_d_state") + d_inner * (_need(cfg, "Mamba layers", "mamba_d_conv") - 1), 1

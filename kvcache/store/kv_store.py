@@ -91,14 +91,14 @@ class KVStore:
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Clear `blocks` in every layer (a failed request's, which may hold NaN)."""
-        if blocks:
+        if blocks and self.k:  # (a model whose every layer is recurrent stores no K/V: no layer here)
             idx = torch.tensor(blocks, device=self.k[0].device)
             for t in self.block_tensors():
                 t.index_fill_(0, idx, 0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
-        if not pairs:
+        if not pairs or not self.k:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.k[0].device)
         dst = torch.tensor([p[1] for p in pairs], device=self.k[0].device)
