@@ -95,6 +95,12 @@ def _add_kv_args(p) -> None:
                    help="share the KV of equal prompt prefixes between requests (default: on)")
     p.add_argument("--prefix-caching-algo", default="hash", choices=["hash", "radix"],
                    help="hash: vLLM's hash-chained blocks; radix: SGLang's radix tree (default: %(default)s)")
+    p.add_argument("--mamba-block-size", type=int, default=None,
+                   help="models with linear-attention / SSM layers, with prefix caching: tokens between snapshots of "
+                        "their state, a multiple of --block-size (default: 4 blocks)")
+    p.add_argument("--num-state-snapshots", type=int, default=None,
+                   help="models with linear-attention / SSM layers, with prefix caching: slots for state snapshots, "
+                        "taken from the KV budget (default: --max-num-seqs)")
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="models mixing full and sliding-window layers (Gemma-2/3): one block table of every layer, "
                         "every block kept, instead of a table per layer group whose sliding groups give blocks back")
@@ -395,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     _command(bsub, "serve", "load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput", "kvcache.bench.serve")
     _command(bsub, "sliding-window", "blocks per request and concurrency with out-of-window blocks given back, "
              "against one table keeping them all", "kvcache.bench.sliding_window")
+    _command(bsub, "state-memory", "bytes per sequence against context length for attention, sliding-window, MLA, "
+             "hybrid and Mamba-2 layers: the planner's curves and the engine's pool use", "kvcache.bench.state_memory")
     _command(bsub, "spec-decode", "speculative decoding (n-gram or a draft model) against plain decoding on "
              "input-grounded and random prompts, by batch size", "kvcache.bench.spec_decode")
     _command(bsub, "mla", "MLA's latent KV bytes per token against MHA, and decode step time of absorbed against "

@@ -48,6 +48,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True  # share computed full blocks between requests with equal prefixes
     prefix_caching_algo: str = "hash"  # hash: vLLM's hash-chained blocks; radix: SGLang's radix tree
+    # Models with linear-attention / SSM layers, with prefix caching: their state is snapshotted every
+    # mamba_block_size tokens (vLLM's name; None: 4 blocks), in num_state_snapshots slots (None: max_num_seqs)
+    mamba_block_size: int | None = None
+    num_state_snapshots: int | None = None
     scheduling_policy: str = "fcfs"  # fcfs, or lpm: longest cached prefix first
     dtype: str = "auto"  # compute and weight dtype: auto = float32 on CPU, bfloat16 on CUDA (aliases fp32, bf16, fp16, half)
     kv_cache_dtype: str = "auto"  # KV storage: auto (= compute dtype), float32, float16, bfloat16, fp8_e4m3,
@@ -114,6 +118,15 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if self.mamba_block_size is None:
+            self.mamba_block_size = 4 * self.block_size
+        for name in ("mamba_block_size", "num_state_snapshots"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.mamba_block_size % self.block_size:
+            raise ValueError(f"mamba_block_size ({self.mamba_block_size} tokens between state snapshots) must be a "
+                             f"multiple of block_size ({self.block_size}): a snapshot ends a block")
         if group and self.block_size % group:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} quantizes keys in groups of {group} tokens, each "
                              f"inside one block: block_size must be a multiple of {group}, got {self.block_size}")

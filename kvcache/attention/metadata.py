@@ -36,6 +36,9 @@ class SeqChunk:
     # Each token attends as a decode row of its own length (speculative verification: plain decoding's arithmetic,
     # so the tokens it accepts, and the K/V later layers compute from them, are exactly plain decoding's)
     as_decodes: bool = False
+    # Recurrent layers with prefix caching: (position, snapshot key) of each block boundary this chunk reaches where
+    # the state is snapshotted (memory/state_snapshots.py)
+    state_saves: list = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from kvcache.memory.layer_groups import GroupedKVCacheManager
 from kvcache.models.llama import LlamaModel
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
-from kvcache.store.state_store import StateBatch, StateStore
+from kvcache.store.state_store import StateBatch, StateSpan, StateStore
 
 
 SMALL_STEP_ROWS = 4  # at most this many tokens in a step: decode of a few sequences, bound by the weights' reads
@@ -70,6 +70,8 @@ class ModelRunner:
             slot = start - seq.num_evicted
             specs.append(seq_chunk(seq.seq_id, tokens, slot, self.kv.block_tables[seq.seq_id], last,
                                    self.kv.private_blocks.get(seq.seq_id, []), seq.eviction))
+            if self.kv.snapshots is not None:
+                specs[-1].state_saves = self._snapshot_points(seq, start, n)
             if seq.params.prompt_logprobs is not None and prompt_logprobs.want_every_row(seq, specs[-1]):
                 every_row[len(specs) - 1] = last
             if last:
@@ -170,19 +172,28 @@ class ModelRunner:
                 torch.set_flush_denormal(False)
         return logits.float()
 
+    def _snapshot_points(self, seq: Sequence, start: int, n: int) -> list[tuple[int, tuple]]:
+        """(position, key) of the snapshot boundaries that tokens [start, start + n) of `seq` reach."""
+        every = self.kv.snapshots.interval
+        return [(b, self.kv.snapshot_key(seq.seq_id, seq.token_ids, seq.extra_key, b))
+                for b in range(start - start % every + every, start + n + 1, every)]
+
     def _state_batch(self, specs: list[SeqChunk]) -> StateBatch:
         """Each chunk's state slot: decode rows (one token after the first) stepped together, other chunks scanned
-        one by one, from zeros where they start the sequence. Forks' copies reach the pool first."""
-        slots = self.kv.states
+        one by one, from zeros where they start the sequence; and where the states at boundaries are snapshotted.
+        Copies (forks, snapshots a sequence starts from) reach the pool before any snapshot slot is reused."""
+        slots, snapshots = self.kv.states, self.kv.snapshots
         self.states.copy(slots.take_copies())
-        spans, rows, decode_slots, row = [], [], [], 0
+        spans, rows, decode_slots, decode_saves, row = [], [], [], [], 0
         for c in specs:
             n, slot = len(c.token_ids), slots.slot_of[c.seq_id]
+            saves = [(b, snapshots.reserve(key)) for b, key in c.state_saves]
             if n == 1 and c.start > 0:
+                decode_saves += [(len(rows), dst) for _, dst in saves]
                 rows.append(row)
                 decode_slots.append(slot)
             else:
-                spans.append((row, n, slot, c.start == 0))
+                spans.append(StateSpan(row, n, slot, c.start, saves))
             row += n
         long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return StateBatch(self.states, spans, long(rows), long(decode_slots))
+        return StateBatch(self.states, spans, long(rows), long(decode_slots), decode_saves)

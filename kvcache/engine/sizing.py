@@ -33,7 +33,7 @@ from kvcache.plan.report import human
 from kvcache.plan.shape import ModelShape
 from kvcache.plan.sizes import parse_bytes
 from kvcache.store.kv_store import KVStore
-from kvcache.store.state_store import StateBatch, StateStore
+from kvcache.store.state_store import StateBatch, StateSpan, StateStore
 
 log = logging.getLogger("kvcache")
 CPU_DEFAULT_KV_BYTES = 2 * 2**30  # half of vLLM CPU backend's 4 GiB: zeroing 4 GiB takes ~6 s here
@@ -177,7 +177,7 @@ def kv_capacity(config: EngineConfig, device: torch.device, model: LlamaModel, s
     capacity = cache_capacity(shape, kv_dtype, share, config.block_size, max_model_len, release=release,
                               groups=groups if groups else None, tensor_parallel_size=tp,
                               state_dtype=str(model.compute_dtype).removeprefix("torch."),
-                              state_slots=state_slots(shape, config))
+                              state_slots=state_slots(shape, config), running_slots=config.max_num_seqs)
     one_request = peak_blocks(max_model_len, [g.window for g in groups] or [None], config) + capacity.seq_blocks
     if budget.derived and capacity.num_blocks < one_request:
         raise ValueError(f"the KV cache this device leaves ({budget}) holds {capacity.num_blocks:,} blocks, fewer than "
@@ -196,7 +196,9 @@ def check_recurrent(config: EngineConfig, shape: ModelShape, kv_dtype: str) -> N
                "--preemption-mode swap": config.preemption_mode == "swap",
                "the KV offload tiers": bool(config.kv_offload_memory or config.kv_offload_dir or config.kv_remote),
                f"tensor_parallel_size {config.tensor_parallel_size}": config.tensor_parallel_size > 1,
-               f"--quantization {config.quantization}": config.quantization != "none"}
+               f"--quantization {config.quantization}": config.quantization != "none",
+               "the radix prefix cache (use --prefix-caching-algo hash)":
+                   config.enable_prefix_caching and config.prefix_caching_algo == "radix"}
     on = [name for name, yes in refused.items() if yes]
     if on:
         raise ValueError(f"{shape.model_type or 'this model'} has {shape.count('linear')} linear-attention / SSM "
@@ -205,9 +207,18 @@ def check_recurrent(config: EngineConfig, shape: ModelShape, kv_dtype: str) -> N
 
 
 def state_slots(shape: ModelShape, config: EngineConfig) -> int:
-    """Slots of the state pool of a model with linear-attention / SSM layers: one per sequence a step can run
-    (max_num_seqs), so that the pool never stops an admission the blocks allow; 0 for other models."""
-    return config.max_num_seqs if "linear" in shape.layer_kinds else 0
+    """Slots of the state pool of a model with linear-attention / SSM layers (0 for other models): one per sequence
+    a step can run (max_num_seqs), so that the pool never stops an admission the blocks allow; then, with prefix
+    caching, the snapshots' (snapshot_slots)."""
+    return config.max_num_seqs + snapshot_slots(config) if "linear" in shape.layer_kinds else 0
+
+
+def snapshot_slots(config: EngineConfig) -> int:
+    """State slots for snapshots (prefix caching of a recurrent model's state): num_state_snapshots, by default
+    max_num_seqs; 0 without prefix caching."""
+    if not config.enable_prefix_caching:
+        return 0
+    return config.num_state_snapshots if config.num_state_snapshots is not None else config.max_num_seqs
 
 
 def release_window(shape: ModelShape, config: EngineConfig) -> int | None:
@@ -290,7 +301,7 @@ def profile_forward(model: LlamaModel, config: EngineConfig, device: torch.devic
     if getattr(model, "num_recurrent_layers", 0):  # each chunk a fresh sequence in a slot of its own
         states = StateStore(model.num_recurrent_layers, len(chunks), model.state_shapes, dtype, device)
         starts = [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
-        batch.states = StateBatch(states, [(s, len(c.token_ids), i, True) for i, (s, c) in enumerate(zip(starts, chunks))],
+        batch.states = StateBatch(states, [StateSpan(s, len(c.token_ids), i, 0, []) for i, (s, c) in enumerate(zip(starts, chunks))],
                                   torch.zeros(0, dtype=torch.long, device=device),
                                   torch.zeros(0, dtype=torch.long, device=device))
     logits = model(batch, store).float()

@@ -32,6 +32,7 @@ from kvcache.memory.kv_cache_manager import KVCacheManager
 from kvcache.memory.kv_events import KVEventLog
 from kvcache.memory.layer_groups import GroupedKVCacheManager
 from kvcache.memory.state_slots import StateSlots
+from kvcache.memory.state_snapshots import StateSnapshots
 from kvcache.messages import describe
 from kvcache.native import host_memory
 from kvcache.models.loader import LoadedModel, build_model, model_windows, read_checkpoint
@@ -150,17 +151,15 @@ class EngineStartup:
                                                  self.drafter.bytes_per_token if self.drafter else 0,
                                                  self.graphs.estimator(lambda: self._make_store(2)))
         # One more physical block than the budget buys: block 0, the null block that pads tables.
-        caching = config.prefix_caching_algo if config.enable_prefix_caching and not self.recurrent else None
-        self.state_slots = StateSlots(self.capacity.state_slots) if self.capacity.state_slots else None
-        self.state_store = StateStore(self.model.num_recurrent_layers, self.capacity.state_slots,
-                                      self.model.state_shapes, self.dtype, self.device) if self.state_slots else None
+        caching = config.prefix_caching_algo if config.enable_prefix_caching else None
+        self._allocate_states(config)
         if self.layer_groups:
             self.kv = GroupedKVCacheManager(self.capacity.num_blocks + 1, config.block_size,
                                             [g.window for g in self.layer_groups], caching)
         else:
             self.kv = KVCacheManager(self.capacity.num_blocks + 1, config.block_size, caching,
                                      seq_blocks=self.capacity.seq_blocks, events=self.kv_events,
-                                     states=self.state_slots)
+                                     states=self.state_slots, snapshots=self.snapshots)
         self.store = self._make_store(self.capacity.num_blocks + 1, self.capacity.bytes_per_token)
         local_store = self._local_store = self.store  # this rank's: self.store reaches every rank under TP
         if self.tp is not None:  # every rank's store has as many blocks; forks' copies and scrubs reach them all
@@ -168,6 +167,18 @@ class EngineStartup:
         self.offload = make_offloader(tiers, self.store, loaded.source, self.kv_events, compute=str(self.dtype), kv=self.kv_dtype,
                                       block_size=config.block_size, quantization=config.quantization)
         self.scheduler = Scheduler(config, self.kv, self.offload)
+
+    def _allocate_states(self, config: EngineConfig) -> None:
+        """A recurrent model's state pool: max_num_seqs running slots, then the snapshots' (prefix caching)."""
+        self.state_slots = self.snapshots = self.state_store = None
+        if not self.capacity.state_slots:
+            return
+        running = config.max_num_seqs
+        self.state_slots = StateSlots(running)
+        if self.capacity.state_slots > running:
+            self.snapshots = StateSnapshots(list(range(running, self.capacity.state_slots)), config.mamba_block_size)
+        self.state_store = StateStore(self.model.num_recurrent_layers, self.capacity.state_slots,
+                                      self.model.state_shapes, self.dtype, self.device)
 
     def _log_layout(self, config: EngineConfig) -> None:
         """Logs how the pool's tables are laid out where layers differ (groups, windows)."""
@@ -236,11 +247,14 @@ class EngineStartup:
                  f"; plus {c.seq_blocks} blocks per request for its fp16 key residual" if c.seq_blocks else "",
                  f"{c.max_model_len:,}", c.max_concurrency)
         if self.state_store is not None:
+            snapshots = self.snapshots.num_slots if self.snapshots is not None else 0
             log.info("state pool (%d linear-attention / SSM layers): %d slots x %s bytes/sequence = %s, beside the "
-                     "blocks (%s); prefix caching is off: a cached prefix would need its state too",
-                     self.model.num_recurrent_layers, c.state_slots, f"{self.state_store.bytes_per_slot:,}",
-                     human(c.state_bytes), state_formula(self.model.state_shapes, self.model.num_recurrent_layers,
-                                                         self.dtype))
+                     "blocks (%s): %d for running sequences, %s", self.model.num_recurrent_layers, c.state_slots,
+                     f"{self.state_store.bytes_per_slot:,}", human(c.state_bytes),
+                     state_formula(self.model.state_shapes, self.model.num_recurrent_layers, self.dtype),
+                     c.state_slots - snapshots,
+                     f"{snapshots} for snapshots every {config.mamba_block_size} tokens (a cached prefix starts from "
+                     "the deepest one)" if snapshots else "none for snapshots: prefix caching is off")
 
     def _kv_formula(self) -> str:
         """The bytes-per-token formula of this process's store: each rank's heads under tensor parallelism."""

@@ -23,6 +23,7 @@ from typing import Literal
 from kvcache.memory.block_hash import BlockKey, chain_hashes
 from kvcache.memory.block_pool import BlockPool, OutOfBlocksError, blocks_for
 from kvcache.memory.state_slots import StateSlots
+from kvcache.memory.state_snapshots import SnapshotKey, StateSnapshots
 from kvcache.memory.compaction import TableCompaction
 from kvcache.memory.kv_events import KVEventLog, stored_runs
 from kvcache.memory.radix_cache import RadixCache, RadixNode
@@ -52,6 +53,7 @@ class _SeqCache:
     node: RadixNode | None = None  # radix: the node its prefix ends at
     locked: bool = False  # radix: it holds a lock on `node`
     stopped: bool = False  # a block under one of its hashes is held with another chain: none more is registered
+    snapshot: int | None = None  # recurrent state: the snapshot slot its prefix (find_prefix's) starts from
 
 
 class KVCacheManager(TableCompaction):
@@ -60,22 +62,23 @@ class KVCacheManager(TableCompaction):
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: PrefixCaching | None = None,
                  seq_blocks: int = 0, events: KVEventLog | None = None, pool: BlockPool | None = None,
-                 tag: tuple = (), states: StateSlots | None = None) -> None:
+                 tag: tuple = (), states: StateSlots | None = None, snapshots: StateSnapshots | None = None) -> None:
         """`pool`: draw from this pool (shared with other managers: per-layer-group tables, memory/layer_groups.py)
         instead of a new one of `num_blocks`. `tag` joins every sequence's extra keys, so that managers sharing a
         pool never find each other's blocks in the prefix cache (their blocks hold other layers). `states` (a model
         with linear-attention / SSM layers): a sequence takes a state slot with its first blocks and gives it back
-        with them; a fork copies the parent's."""
+        with them; a fork copies the parent's. With a prefix cache they also need `snapshots` of states at block
+        boundaries: a prefix is found only as deep as a snapshot of it, which the sequence's slot starts from."""
         if prefix_caching not in (None, "hash", "radix"):
             raise ValueError(f"prefix_caching must be None, 'hash' or 'radix', got {prefix_caching!r}")
         if pool is not None and prefix_caching == "radix":
             raise ValueError("a shared pool cannot serve the radix prefix cache (the tree owns its blocks)")
-        if states is not None and prefix_caching is not None:
-            raise ValueError("a prefix cache of blocks alone cannot serve sequences with recurrent state (a hit "
-                             "would skip the tokens that state needs)")
+        if states is not None and prefix_caching is not None and (snapshots is None or prefix_caching == "radix"):
+            raise ValueError("a prefix cache of sequences with recurrent state needs the hash prefix cache and "
+                             "snapshots of their states (a hit would otherwise skip the tokens the state needs)")
         self.block_size = block_size
         self.seq_blocks = seq_blocks
-        self.states = states
+        self.states, self.snapshots = states, snapshots
         self.tag = tag
         self.pool = pool if pool is not None else BlockPool(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
@@ -177,7 +180,25 @@ class KVCacheManager(TableCompaction):
                     break
                 blocks.append(b)
                 parent = (b, self.pool.generation[b])
+        if self.snapshots is not None:
+            blocks = blocks[:self._snapshot_depth(seq_id, token_ids, extra, len(blocks))]
         return blocks
+
+    def snapshot_key(self, seq_id: int, token_ids: list[int], extra: tuple, end: int) -> SnapshotKey:
+        """The key of a state snapshot after `end` tokens (a multiple of the block size) of `token_ids`."""
+        hashes, k, bs = self.block_hashes(seq_id, token_ids, extra), end // self.block_size, self.block_size
+        return hashes[k - 1], hashes[k - 2] if k > 1 else None, tuple(token_ids[end - bs:end])
+
+    def _snapshot_depth(self, seq_id: int, token_ids: list[int], extra: tuple, cached: int) -> int:
+        """The most of the `cached` leading blocks that a snapshot of the state covers (0: none); the sequence's
+        entry remembers its slot."""
+        per = self.snapshots.interval // self.block_size
+        for k in range(cached - cached % per, 0, -per):
+            slot = self.snapshots.find(self.snapshot_key(seq_id, token_ids, extra, k * self.block_size))
+            if slot is not None:
+                self._entry(seq_id, extra).snapshot = slot
+                return k
+        return 0
 
     def _cached(self, seq_id: int, token_ids: list[int], i: int, block_hash: int) -> int | None:
         """The cached block with block i's chain hash, extra keys and tokens (its parent unchecked), or None."""
@@ -228,6 +249,9 @@ class KVCacheManager(TableCompaction):
             if not self.states.num_free:
                 return False
             self.states.allocate(seq_id)
+            if prefix:  # it starts after its cached prefix: from the snapshot of the state there
+                self.states.load(seq_id, self._seqs[seq_id].snapshot)
+                self.snapshots.stats.hits += 1
         if table is None:
             table = self.block_tables[seq_id] = list(prefix)
             held = [b for b in prefix if b != BlockPool.NULL_BLOCK]  # a window_prefix starts with null entries
@@ -455,6 +479,8 @@ class KVCacheManager(TableCompaction):
         if self.block_tables:
             raise RuntimeError(f"cannot reset the prefix cache while {len(self.block_tables)} sequences hold blocks")
         n = self.radix.reset() if self.radix else self.pool.clear_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         if self.events is not None:
             self.events.cleared()
         return n

@@ -44,7 +44,10 @@ class GroupedKVCacheManager:
     for every position); `groups` gives every group's manager for the runner (one batch per group) and for eviction
     (`compact` per group, then each layer's dead leading blocks given back in its own table: PyramidKV). Features
     that need one table of every layer (the radix cache, KIVI residuals, offload tiers, swap, KV events,
-    speculative decoding) are not offered: the engine keeps a single table when one of them is on."""
+    speculative decoding) are not offered: the engine keeps a single table when one of them is on. Nor are recurrent
+    layers' state slots and snapshots (no model mixes them with sliding windows yet)."""
+
+    states = snapshots = None
 
     radix = None
     seq_blocks = 0

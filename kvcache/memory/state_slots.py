@@ -1,5 +1,5 @@
 """Which slot of the recurrent-state pool (store/state_store.py) each sequence holds: taken with the sequence's
-first blocks, given back with them, copied on a fork."""
+first blocks, given back with them, copied on a fork or from a snapshot (the copies wait for the next forward)."""
 from __future__ import annotations
 
 from kvcache.memory.block_pool import OutOfBlocksError
@@ -45,6 +45,12 @@ class StateSlots:
         """Give `child_id` a slot holding the parent's state (the copy queued); OutOfStateSlotsError if none is free."""
         dst = self.allocate(child_id)
         self._copies.append((self.slot_of[parent_id], dst))
+
+    def load(self, seq_id: int, src: int | None) -> None:
+        """Have the slot of `seq_id` start from slot `src` (a snapshot's): queued like a fork's copy."""
+        if src is None:
+            raise ValueError(f"sequence {seq_id} starts after a cached prefix but no snapshot of its state was found")
+        self._copies.append((src, self.slot_of[seq_id]))
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copies forks queued since the last call, in order."""

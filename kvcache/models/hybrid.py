@@ -32,6 +32,7 @@ from kvcache.models.weights import WeightSource
 from kvcache.native import host_memory
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
+from kvcache.store.state_store import StateSpan
 
 ARCHITECTURES = ("mamba2", "bamba")
 
@@ -126,16 +127,8 @@ class Mamba2Mixer(nn.Module):
         states = batch.states
         conv, ssm = states.store.tensors[self.layer]["conv"], states.store.tensors[self.layer]["ssm"]
         weight = self.conv_weight.squeeze(1)
-        for first, n, slot, fresh in states.spans:
-            rows = slice(first, first + n)
-            conv_in = conv.new_zeros(conv.shape[1:]) if fresh else conv[slot]
-            out, conv[slot] = conv_chunk(xbc[rows], conv_in, weight, self.conv_bias)
-            x, B, C = self._split(out.float(), n)
-            # the chunked form clamps dt to time_step_limit, the one-step form does not (transformers' and
-            # mamba_ssm's arithmetic)
-            y[rows], final = ssd_chunk(x, dt[rows].clamp(*d.dt_limit), A, B, C, self.D.float(), d.chunk,
-                                       None if fresh else ssm[slot].float())
-            ssm[slot] = final.to(ssm.dtype)
+        for span in states.spans:
+            y[span.first:span.first + span.rows] = self._scan(span, xbc, dt, A, conv, ssm, weight)
         if states.decode_rows.numel():
             r, s = states.decode_rows, states.decode_slots
             out, conv_new = conv_step(xbc.index_select(0, r), conv.index_select(0, s), weight, self.conv_bias)
@@ -144,8 +137,35 @@ class Mamba2Mixer(nn.Module):
             yd, ssm_new = ssm_step(ssm.index_select(0, s).float(), x, dt.index_select(0, r), A, B, C, self.D.float())
             ssm.index_copy_(0, s, ssm_new.to(ssm.dtype))
             y.index_copy_(0, r, yd)
+            for i, dst in states.decode_saves:  # a snapshot after this step's token
+                conv[dst], ssm[dst] = conv_new[i], ssm_new[i]
         y = gated_rms_norm(y.view(T, -1).to(h.dtype), z, self.norm, d.groups, d.eps)
         return self.out_proj(y)
+
+    def _scan(self, span: StateSpan, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, conv: torch.Tensor,
+              ssm: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One sequence's chunk: its outputs [rows, heads, head_dim]; its slot's states left as of its last token,
+        and the snapshots it is asked for written (the scan runs piece by piece between them: exact, as the state
+        carries over). The scan's blocks sit on the sequence's multiples of `chunk`."""
+        d, n, rows = self.d, span.rows, slice(span.first, span.first + span.rows)
+        conv_in = conv.new_zeros(conv.shape[1:]) if span.fresh else conv[span.slot]
+        out, window = conv_chunk(xbc[rows], conv_in, weight, self.conv_bias)
+        K1 = conv.shape[2]
+        x, B, C = self._split(out.float(), n)
+        # the chunked form clamps dt to time_step_limit, the one-step form does not (transformers' and mamba_ssm's)
+        dt = dt[rows].clamp(*d.dt_limit)
+        state = None if span.fresh else ssm[span.slot].float()
+        ys, done = [], 0
+        for end, dst in [*span.saves, (span.start + n, span.slot)]:
+            o = end - span.start
+            if o > done:
+                piece = slice(done, o)
+                y, state = ssd_chunk(x[piece], dt[piece], A, B[piece], C[piece], self.D.float(), d.chunk, state,
+                                     (span.start + done) % d.chunk)
+                ys.append(y)
+                done = o
+            conv[dst], ssm[dst] = window[:, o:o + K1], state.to(ssm.dtype)
+        return torch.cat(ys)
 
     def _split(self, xbc: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [n, heads, head_dim], B and C [n, groups, d_state] of the conv's output."""

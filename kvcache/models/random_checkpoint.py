@@ -33,7 +33,8 @@ def save_random_checkpoint(directory: str, cfg: PretrainedConfig, seed: int = 0)
     """Save a model of `cfg` with random weights in `directory`. transformers initialises norms to 1 (Gemma's,
     which scale by 1 + w, to 0) and biases to 0 (DeepSeek-V3's expert score bias too): they are drawn around those
     values instead, so that they count; a Mamba mixer's time-step bias is drawn as mamba_ssm initialises it (Bamba's
-    transformers init sets 1, which forgets a state within a few tokens)."""
+    transformers init sets 1, which forgets a state within a few tokens), and its skip D small (the init's 1 would
+    drown the state's share of the output, and with it any test of the state)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     unit = 0.0 if cfg.model_type.startswith("gemma") else 1.0
@@ -42,6 +43,8 @@ def save_random_checkpoint(directory: str, cfg: PretrainedConfig, seed: int = 0)
             if name.endswith("dt_bias"):  # a Mamba mixer's time steps as trained ones: 0.001 to 0.1, long memory
                 dt = torch.exp(torch.rand_like(p) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
                 p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+            elif name.endswith(".D"):  # a Mamba mixer's skip: small, so that its output is mostly its state's
+                p.copy_(0.1 * torch.randn_like(p))
             elif "norm" in name:
                 p.copy_(unit + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):

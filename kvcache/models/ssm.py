@@ -30,10 +30,11 @@ def segsum(x: torch.Tensor) -> torch.Tensor:
 def conv_chunk(inputs: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(causal depthwise conv) of `inputs` [n, C] after the K - 1 inputs in `state` [C, K - 1], [n, C];
-    the new state: the last K - 1 inputs, [C, K - 1]). `weight` [C, K]."""
-    window = torch.cat([state, inputs.t().to(state.dtype)], dim=1)  # [C, K - 1 + n]
+    the window [C, K - 1 + n], `state` then the inputs: the state after the chunk's first o tokens is
+    window[:, o:o + K - 1], the new state window[:, n:]). `weight` [C, K]."""
+    window = torch.cat([state, inputs.t().to(state.dtype)], dim=1)
     out = F.conv1d(window.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias, groups=weight.shape[0])
-    return F.silu(out[0]).t(), window[:, window.shape[1] - state.shape[1]:]
+    return F.silu(out[0]).t(), window
 
 
 def conv_step(inputs: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -47,12 +48,16 @@ def conv_step(inputs: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, 
 
 
 def ssd_chunk(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-              chunk: int, initial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SSD scan of one sequence's `n` tokens: (y [n, H, P], the final state [H, P, N]).
+              chunk: int, initial: torch.Tensor | None, offset: int = 0,
+              boundaries: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD scan of one sequence's `n` tokens: (y [n, H, P], the final state [H, P, N]), or with `boundaries`,
+    (y, the states at the scan's block boundaries [c + 1, H, P, N]: the first `initial`, the last the final state).
 
     x [n, H, P]; dt [n, H] (softplus'd and clamped); A [H] (negative); B, C [n, G, N] (G groups of H / G heads);
     D [H]; `initial` [H, P, N] (None: zeros). Tokens go in blocks of `chunk`: within a block the output is a masked
-    (decayed) attention-like product, between blocks the state carries over.
+    (decayed) attention-like product, between blocks the state carries over. The first token is `offset` tokens
+    into its block (the sequence's position modulo `chunk`): blocks then sit on the sequence's multiples of `chunk`,
+    so boundary j is position (start - offset) + j x chunk.
     """
     n, H, P = x.shape
     y_skip = x * D[:, None]
@@ -60,9 +65,9 @@ def ssd_chunk(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     a = A * dt  # [n, H]
     B = B.repeat_interleave(H // B.shape[1], dim=1)
     C = C.repeat_interleave(H // C.shape[1], dim=1)
-    pad = (chunk - n % chunk) % chunk
-    if pad:  # zero input and no decay past the end: the final state is the last token's
-        x, a, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (x, a, B, C))
+    pad = (chunk - (offset + n) % chunk) % chunk
+    if pad or offset:  # zero input and no decay before the start and past the end: states pass through unchanged
+        x, a, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (offset, pad)) for t in (x, a, B, C))
     c = x.shape[0] // chunk
     x, B, C = (t.reshape(c, chunk, H, -1) for t in (x, B, C))
     a = a.reshape(c, chunk, H).permute(2, 0, 1)  # [H, c, l]
@@ -80,7 +85,8 @@ def ssd_chunk(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     states = torch.einsum("hij,jhpn->ihpn", carry, block_states)
     # what each block's starting state adds to its outputs
     y = y + torch.einsum("clhn,chpn->clhp", C, states[:-1]) * torch.exp(a_cum).permute(1, 2, 0)[..., None]
-    return y.reshape(-1, H, P)[:n] + y_skip, states[-1]
+    y = y.reshape(-1, H, P)[offset:offset + n] + y_skip
+    return y, (states if boundaries else states[-1])
 
 
 def ssm_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

@@ -349,7 +349,8 @@ def check_kv_format(shape: ModelShape, dtype: str, block_size: int, tensor_paral
 
 def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size: int, max_model_len: int,
                    tensor_parallel_size: int = 1, state_dtype: str = "bfloat16", release: bool = True,
-                   groups: list[TableGroup] | None = None, state_slots: int = 0) -> CacheCapacity:
+                   groups: list[TableGroup] | None = None, state_slots: int = 0,
+                   running_slots: int = 0) -> CacheCapacity:
     """Blocks, tokens and concurrency a budget of `budget_bytes` buys. Raises if not even one block fits.
 
     A request of L tokens takes ceil(L / block_size) blocks plus `sequence_blocks` for its
@@ -361,15 +362,16 @@ def cache_capacity(shape: ModelShape, dtype: str, budget_bytes: int, block_size:
     table of every layer, every block kept. `groups` gives the engine's layer groups where they are not the
     model's own (PyramidKV's one table per layer: every block kept until eviction frees some).
     `state_slots` (the engine's way with linear-attention / SSM layers): their state lives in a pool of that many
-    sequences' states, taken from the budget first; the blocks are bought with the rest, and at most that many
-    requests run at once. A model of such layers only stores nothing per token: its blocks are bookkeeping (0
-    bytes), as many as `state_slots` requests of max_model_len tokens hold.
+    sequences' states, taken from the budget first (the first `running_slots` of them for running sequences, the
+    rest for snapshots; 0: all running); the blocks are bought with the rest, and at most `running_slots` requests
+    run at once. A model of such layers only stores nothing per token: its blocks are bookkeeping (0 bytes), as many
+    as that many requests of max_model_len tokens hold.
     """
     tp = tensor_parallel_size
     per_token = check_kv_format(shape, dtype, block_size, tp)
     if state_slots:
         return _capacity_with_state_pool(shape, dtype, budget_bytes, block_size, max_model_len, tp, state_dtype,
-                                         state_slots)
+                                         state_slots, running_slots or state_slots)
     if groups is None:  # KIVI's fp16 key residual needs one table of every layer, as the engine keeps
         groups = table_groups(shape) if release and kv_dtype(dtype).scales != "kivi" else []
     if groups:  # a block holds one group's layers; a token costs that in each group's table
@@ -395,14 +397,14 @@ def state_pool_bytes(shape: ModelShape, state_slots: int, state_dtype: str, tens
 
 
 def _capacity_with_state_pool(shape: ModelShape, dtype: str, budget_bytes: int, block_size: int, max_model_len: int,
-                              tp: int, state_dtype: str, state_slots: int) -> CacheCapacity:
+                              tp: int, state_dtype: str, state_slots: int, running: int) -> CacheCapacity:
     """cache_capacity where the state has a pool of its own (see there)."""
     state = state_pool_bytes(shape, state_slots, state_dtype, tp)
     per_token = kv_bytes_per_token(shape, dtype, tp)
     if budget_bytes <= state:
         raise ValueError(f"KV cache budget of {budget_bytes:,} bytes does not hold the state of {state_slots} "
                          f"sequences ({state_slots} x {state_bytes_per_seq(shape, state_dtype, tp):,} bytes = "
-                         f"{state:,} bytes): raise it, or lower --max-num-seqs")
+                         f"{state:,} bytes): raise it, or lower --max-num-seqs (or --num-state-snapshots)")
     extra = sequence_blocks(shape, dtype, block_size, tp, None)
     per_request = group_blocks(None, max_model_len, block_size) + extra
     if per_token:
@@ -411,7 +413,7 @@ def _capacity_with_state_pool(shape: ModelShape, dtype: str, budget_bytes: int, 
             raise ValueError(f"KV cache budget of {budget_bytes:,} bytes holds the state of {state_slots} sequences "
                              f"({state:,} bytes) but no block beside it ({block_size} tokens x {per_token:,} bytes)")
     else:
-        num_blocks = state_slots * per_request
+        num_blocks = running * per_request
     return CacheCapacity(per_token, block_size, num_blocks, num_blocks * block_size, num_blocks * block_size * per_token,
-                         max_model_len, min(num_blocks / per_request, state_slots), extra, per_request, 0,
+                         max_model_len, min(num_blocks / per_request, running), extra, per_request, 0,
                          state_slots, state)

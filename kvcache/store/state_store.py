@@ -8,7 +8,7 @@ position 0 starts from zeros, any other from what the slot holds. The step's vie
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,15 +58,28 @@ def state_formula(shapes: dict[str, tuple[int, ...]], num_layers: int, dtype: to
 
 
 @dataclass(slots=True)
+class StateSpan:
+    """A chunk that scans: batch rows [first, first + rows) of one sequence, positions from `start`, in `slot` (from
+    zeros where it starts at 0); `saves`: (position, slot) where the state after that position is snapshotted."""
+
+    first: int
+    rows: int
+    slot: int
+    start: int
+    saves: list[tuple[int, int]]
+
+    @property
+    def fresh(self) -> bool:
+        return self.start == 0
+
+
+@dataclass(slots=True)
 class StateBatch:
     """Which slot each row of a step reads and writes: the chunks that scan (a prompt's chunk, or any chunk that
     starts at position 0) one by one, and the decode rows together."""
 
     store: StateStore
-    spans: list[tuple[int, int, int, bool]]  # (first row, rows, slot, fresh: starts at position 0, from zeros)
+    spans: list[StateSpan]
     decode_rows: torch.Tensor  # [B] batch rows of one token on a sequence already begun
     decode_slots: torch.Tensor  # [B] their slots
-
-    @property
-    def decode_slot_list(self) -> list[int]:
-        return self.decode_slots.tolist()
+    decode_saves: list[tuple[int, int]] = field(default_factory=list)  # (index among the decode rows, snapshot slot)

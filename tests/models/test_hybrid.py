@@ -86,7 +86,7 @@ def test_greedy_equals_transformers_through_chunks_and_batching(hybrid_dirs, arc
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == want
     info = llm.kv_cache_info()
-    assert info["free_state_slots"] == info["state_slots"] == 3  # every slot given back
+    assert info["free_state_slots"] == 3 and info["state_slots"] == 3 + info["state_snapshot_slots"]  # all given back
 
 
 def test_a_preempted_sequence_recomputes_its_state(hybrid_dirs):
@@ -97,7 +97,7 @@ def test_a_preempted_sequence_recomputes_its_state(hybrid_dirs):
     prompts = _prompts()
     want = [hf_greedy(hf, p, 24) for p in prompts]
     state = StateStore.slot_bytes(2, {"conv": (192, 3), "ssm": (8, 16, 16)}, torch.float32)
-    llm = LLM(path, max_num_batched_tokens=32, max_num_seqs=3, max_model_len=128,
+    llm = LLM(path, max_num_batched_tokens=32, max_num_seqs=3, max_model_len=128, enable_prefix_caching=False,
               kv_cache_memory=3 * state + 12 * 16 * 256)
     assert llm.kv_cache_info()["num_blocks"] == 12
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, **GREEDY))
@@ -125,12 +125,15 @@ def test_the_state_pool_is_what_the_planner_counts(hybrid_dirs, arch):
     per_seq = state_bytes_per_seq(shape, "float32")
     # per layer: conv state (128 channels of x + 2 groups x 16 of B and C) x 3, SSM state 8 heads x 16 x 16
     assert per_seq == shape.count("linear") * ((128 + 2 * 2 * 16) * 3 + 8 * 16 * 16) * 4
-    llm = LLM(hybrid_dirs[arch], max_num_seqs=5, kv_cache_memory=2**22)
+    llm = LLM(hybrid_dirs[arch], max_num_seqs=5, num_state_snapshots=7, kv_cache_memory=2**22)
     info = llm.kv_cache_info()
-    assert info["state_bytes_per_seq"] == per_seq and info["state_slots"] == 5
-    assert llm.engine.state_store.nbytes == info["state_bytes"] == 5 * per_seq
+    assert info["state_bytes_per_seq"] == per_seq and info["state_slots"] == 5 + 7
+    assert info["state_snapshot_slots"] == 7 and info["max_concurrency"] <= 5
+    assert llm.engine.state_store.nbytes == info["state_bytes"] == 12 * per_seq
     assert info["total_bytes"] + info["state_bytes"] <= 2**22
-    assert info["prefix_caching"] is None and info["kv_layers"] == shape.num_kv_layers
+    assert info["kv_layers"] == shape.num_kv_layers
+    off = LLM(hybrid_dirs[arch], max_num_seqs=5, enable_prefix_caching=False, kv_cache_memory=2**22).kv_cache_info()
+    assert off["state_slots"] == 5 and off["state_snapshot_slots"] == 0 and off["prefix_caching"] is None
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -138,6 +141,7 @@ def test_the_state_pool_is_what_the_planner_counts(hybrid_dirs, arch):
     (dict(kv_cache_dtype="int4"), "KIVI"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
     (dict(quantization="int8"), "--quantization int8"),
+    (dict(prefix_caching_algo="radix"), "radix prefix cache"),
 ])
 def test_what_cannot_run_on_a_per_sequence_state_is_refused(hybrid_dirs, kwargs, words):
     with pytest.raises(ValueError, match=f"linear-attention / SSM layers: .*{words}"):
@@ -145,7 +149,7 @@ def test_what_cannot_run_on_a_per_sequence_state_is_refused(hybrid_dirs, kwargs,
 
 
 def test_a_budget_without_room_for_the_states_is_refused(hybrid_dirs):
-    with pytest.raises(ValueError, match="does not hold the state of 8 sequences"):
+    with pytest.raises(ValueError, match="does not hold the state of 16 sequences"):
         LLM(hybrid_dirs["mamba2"], max_num_seqs=8, kv_cache_memory=1000)
 
 
@@ -159,3 +163,59 @@ def test_a_slot_handed_on_starts_from_zeros(hybrid_dirs, arch):
                        for p in (list(range(5, 45)), list(range(50, 90)), list(range(5, 45))))
     assert again.token_ids == first.token_ids
     assert again.cumulative_logprob == pytest.approx(first.cumulative_logprob, abs=1e-6)
+
+
+@pytest.mark.parametrize("arch", list(TINY_HYBRIDS))
+def test_a_shared_prefix_starts_from_a_snapshot_of_its_state(hybrid_dirs, arch):
+    """Snapshots every 16 tokens: a second prompt sharing 40 tokens with the first starts from the state after 32
+    (the deepest snapshot its cached chain reaches), and computes what transformers and an engine without prefix
+    caching compute."""
+    path = hybrid_dirs[arch]
+    shared = list(range(100, 140))
+    first, second = shared + [7, 8, 9], shared + [11, 12, 13, 14, 15]
+    want = hf_greedy(hf_model(path), second, 12)
+    params = SamplingParams(max_tokens=12, logprobs=1, **GREEDY)
+    llm = LLM(path, mamba_block_size=16, max_num_seqs=4, kv_cache_memory=2**22)
+    llm.generate([{"prompt_token_ids": first}], params)
+    before = llm.kv_cache_info()
+    got = llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0]
+    info = llm.kv_cache_info()
+    assert info["state_snapshot_hits"] - before["state_snapshot_hits"] == 1
+    assert info["prefix_cache_hits"] - before["prefix_cache_hits"] == 32
+    assert got.token_ids == want
+    cold = LLM(path, enable_prefix_caching=False, max_num_seqs=4, kv_cache_memory=2**22)
+    alone = cold.generate([{"prompt_token_ids": second}], params)[0].outputs[0]
+    assert got.cumulative_logprob == pytest.approx(alone.cumulative_logprob, abs=1e-4)
+
+
+def test_a_conversation_resumes_from_the_state_its_last_turn_left(hybrid_dirs):
+    """Turn 2 is turn 1's prompt, its answer and a new message: the snapshots taken while the answer was decoded
+    serve it, so it recomputes fewer than 16 + 8 of its tokens."""
+    path = hybrid_dirs["bamba"]
+    llm = LLM(path, mamba_block_size=16, max_num_seqs=4, kv_cache_memory=2**22)
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    turn1 = list(range(20, 57))
+    answer = llm.generate([{"prompt_token_ids": turn1}], params)[0].outputs[0].token_ids
+    turn2 = turn1 + answer + [5, 6, 7, 8, 9, 10, 11, 12]
+    before = llm.kv_cache_info()["prefix_cache_hits"]
+    got = llm.generate([{"prompt_token_ids": turn2}], params)[0].outputs[0].token_ids
+    hits = llm.kv_cache_info()["prefix_cache_hits"] - before
+    assert hits == (len(turn1) + len(answer) - 1) // 16 * 16 == 48  # the answer's last token is not in the cache
+    assert got == hf_greedy(hf_model(path), turn2, 20)
+
+
+def test_snapshots_beyond_their_slots_are_evicted_least_recent_first(hybrid_dirs):
+    """One snapshot slot: each prompt's snapshot evicts the last; a prompt whose snapshot is gone is recomputed
+    from zeros (no hit, the right tokens), never started from another prefix's state."""
+    path = hybrid_dirs["mamba2"]
+    llm = LLM(path, mamba_block_size=32, num_state_snapshots=1, max_num_seqs=4, kv_cache_memory=2**22)
+    params = SamplingParams(max_tokens=6, logprobs=1, **GREEDY)
+    a, b = list(range(10, 50)), list(range(60, 100))
+    first = llm.generate([{"prompt_token_ids": a + [1]}], params)[0].outputs[0]
+    llm.generate([{"prompt_token_ids": b + [1]}], params)
+    info = llm.kv_cache_info()
+    assert info["state_snapshots"] == 1 and info["state_snapshots_evicted"] >= 1
+    again = llm.generate([{"prompt_token_ids": a + [1]}], params)[0].outputs[0]
+    assert llm.kv_cache_info()["state_snapshot_hits"] == info["state_snapshot_hits"]  # a's snapshot was evicted
+    assert again.token_ids == first.token_ids
+    assert again.cumulative_logprob == pytest.approx(first.cumulative_logprob, abs=1e-5)
