@@ -7,7 +7,8 @@ import os
 import torch
 from kvcache.models.random_checkpoint import save_random_checkpoint
 from transformers import (AutoConfig, AutoModelForCausalLM, BambaConfig, DeepseekV2Config, DeepseekV3Config, Gemma2Config,
-                          Gemma3TextConfig, LlamaConfig, Mamba2Config, MistralConfig, Qwen2Config, Qwen3Config)
+                          Gemma3TextConfig, LlamaConfig, Mamba2Config, MistralConfig, Qwen2Config, Qwen3Config,
+                          Qwen3NextConfig)
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -67,6 +68,13 @@ TINY_HYBRIDS = {
                             **{"mamba_" + {"num_heads": "n_heads", "head_dim": "d_head", "state_size": "d_state",
                                            "conv_kernel": "d_conv", "n_groups": "n_groups", "chunk_size": "chunk_size",
                                            "expand": "expand"}[k]: v for k, v in MAMBA.items()}}),
+    # Gated DeltaNet (2 key heads serving 4 value heads) in layers 0-2, gated attention (a quarter of each head
+    # rotated) in layer 3; MoE of 4 experts (top 2, a gated shared expert) everywhere but layer 1's dense MLP
+    "qwen3_next": (Qwen3NextConfig, {**COMMON, "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2,
+                                     "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                                     "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 32, "mlp_only_layers": [1]}),
 }
 
 

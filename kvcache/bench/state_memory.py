@@ -9,8 +9,8 @@ size --hidden:
 - `bamba`: Mamba-2 mixers with attention at 2 of the 8 layers (IBM Bamba-9B: 3 of 32);
 - `mamba2`: every layer a Mamba-2 mixer.
 
-1. The planner's bytes per sequence at each of --plan-lengths (`kv_cache_bytes(...).paged_bytes`: what the engine's
-   pool holds for one sequence, state included), printed and plotted: attention grows with the context, a sliding
+1. The planner's bytes per sequence at each of --plan-lengths (`planned`: the blocks the engine's pool holds for one
+   sequence, as `kvcache plan` and the start-up count them, and its state), printed and plotted: attention grows with the context, a sliding
    window stops at its window, MLA grows at a fraction of the slope, a hybrid grows at the slope of its few
    attention layers above a constant state, and a pure SSM stays flat.
 2. The engine's measured use at each of --lengths: one request of that many tokens alone in the pool, the most
@@ -84,20 +84,30 @@ def _measured(path: str, length: int, args) -> int:
     return eng.stats.peak_used_blocks * info["bytes_per_token"] * info["block_size"] + info["state_bytes_per_seq"]
 
 
+def planned(model, length: int, block_size: int) -> int:
+    """The planner's bytes for one sequence of `length` tokens in the engine's pool: the most blocks it holds
+    (cache_capacity's blocks_per_request: whole blocks, a window's and one more where every layer slides) times a
+    block's bytes, plus its state (float32)."""
+    from kvcache.plan.kv_bytes import cache_capacity, state_bytes_per_seq
+    state = state_bytes_per_seq(model, "float32")
+    c = cache_capacity(model, "float32", 2**40, block_size, length, state_dtype="float32",
+                       state_slots=1 if state else 0)
+    return c.blocks_per_request * c.bytes_per_token * block_size + state
+
+
 def _shape(shape: str, args, root: str, lengths: list[int], plan_lengths: list[int]) -> dict:
     from kvcache.models.random_checkpoint import save_random_checkpoint
-    from kvcache.plan.kv_bytes import kv_cache_bytes
     from kvcache.plan.model_source import load_model_shape
     max_len = max(lengths + plan_lengths)
     path = save_random_checkpoint(os.path.join(root, shape), config(shape, args.hidden, args.window, max_len))
     model = load_model_shape(path)
-    planned = {n: kv_cache_bytes(model, "float32", 1, n, state_dtype="float32").paged_bytes for n in plan_lengths}
+    curve = {n: planned(model, n, args.block_size) for n in plan_lengths}
     rows = []
     for n in lengths:
-        want = kv_cache_bytes(model, "float32", 1, n, state_dtype="float32").paged_bytes
+        want = planned(model, n, args.block_size)
         got = _measured(path, n, args)
         rows.append({"length": n, "planner_bytes": want, "engine_bytes": got, "ratio": got / want})
-    return {"shape": shape, "layer_kinds": list(model.layer_kinds), "planner": planned, "engine": rows}
+    return {"shape": shape, "layer_kinds": list(model.layer_kinds), "planner": curve, "engine": rows}
 
 
 def _plot(results: dict, path: str) -> None:

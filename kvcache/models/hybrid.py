@@ -27,12 +27,12 @@ from kvcache.models.linear import Dense
 from kvcache.models.llama import LlamaModel
 from kvcache.models.norm import rms_norm
 from kvcache.models.rope import partial_rotary_order, rope_tables
-from kvcache.models.ssm import conv_chunk, conv_step, gated_rms_norm, ssd_chunk, ssm_step
+from kvcache.models.recurrent import RecurrentMixer
+from kvcache.models.ssm import gated_rms_norm, ssd_chunk, ssm_step
 from kvcache.models.weights import WeightSource
 from kvcache.native import host_memory
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
-from kvcache.store.state_store import StateSpan
 
 ARCHITECTURES = ("mamba2", "bamba")
 
@@ -78,10 +78,10 @@ def mamba_dims(cfg: PretrainedConfig) -> MambaDims:
 
 
 def layer_kinds(cfg: PretrainedConfig) -> list[str]:
-    """'mamba' or 'attention' for each layer."""
+    """'recurrent' (a Mamba-2 mixer) or 'attention' for each layer."""
     if cfg.model_type == "mamba2":
-        return ["mamba"] * cfg.num_hidden_layers
-    return ["attention" if t == "full_attention" else "mamba" for t in cfg.layers_block_type]
+        return ["recurrent"] * cfg.num_hidden_layers
+    return ["attention" if t == "full_attention" else "recurrent" for t in cfg.layers_block_type]
 
 
 def check_config(cfg: PretrainedConfig) -> None:
@@ -102,7 +102,7 @@ def check_config(cfg: PretrainedConfig) -> None:
         raise ValueError("bamba with experts is not supported (num_experts must be 1)")
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     """in_proj -> (z, x B C, dt); causal conv over x B C; the SSD scan; gated RMSNorm with z; out_proj. `layer` is
     its index among the model's recurrent layers (its slot tensors in the state store)."""
 
@@ -118,54 +118,32 @@ class Mamba2Mixer(nn.Module):
         self.norm = nn.Parameter(torch.ones(d.d_inner))
         self.out_proj = linear(d.d_inner, d.hidden, d.proj_bias)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        d, T = self.d, h.shape[0]
-        z, xbc, dt = self.in_proj(h).split([d.d_inner, d.conv_dim, d.heads], dim=-1)
-        dt = F.softplus((dt + self.dt_bias).float())
-        A = -torch.exp(self.A_log.float())
-        y = torch.empty(T, d.heads, d.head_dim, dtype=torch.float32, device=h.device)
-        states = batch.states
-        conv, ssm = states.store.tensors[self.layer]["conv"], states.store.tensors[self.layer]["ssm"]
-        weight = self.conv_weight.squeeze(1)
-        for span in states.spans:
-            y[span.first:span.first + span.rows] = self._scan(span, xbc, dt, A, conv, ssm, weight)
-        if states.decode_rows.numel():
-            r, s = states.decode_rows, states.decode_slots
-            out, conv_new = conv_step(xbc.index_select(0, r), conv.index_select(0, s), weight, self.conv_bias)
-            conv.index_copy_(0, s, conv_new)
-            x, B, C = self._split(out.float(), r.numel())
-            yd, ssm_new = ssm_step(ssm.index_select(0, s).float(), x, dt.index_select(0, r), A, B, C, self.D.float())
-            ssm.index_copy_(0, s, ssm_new.to(ssm.dtype))
-            y.index_copy_(0, r, yd)
-            for i, dst in states.decode_saves:  # a snapshot after this step's token
-                conv[dst], ssm[dst] = conv_new[i], ssm_new[i]
-        y = gated_rms_norm(y.view(T, -1).to(h.dtype), z, self.norm, d.groups, d.eps)
-        return self.out_proj(y)
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.d.heads, self.d.head_dim
 
-    def _scan(self, span: StateSpan, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, conv: torch.Tensor,
-              ssm: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """One sequence's chunk: its outputs [rows, heads, head_dim]; its slot's states left as of its last token,
-        and the snapshots it is asked for written (the scan runs piece by piece between them: exact, as the state
-        carries over). The scan's blocks sit on the sequence's multiples of `chunk`."""
-        d, n, rows = self.d, span.rows, slice(span.first, span.first + span.rows)
-        conv_in = conv.new_zeros(conv.shape[1:]) if span.fresh else conv[span.slot]
-        out, window = conv_chunk(xbc[rows], conv_in, weight, self.conv_bias)
-        K1 = conv.shape[2]
-        x, B, C = self._split(out.float(), n)
-        # the chunked form clamps dt to time_step_limit, the one-step form does not (transformers' and mamba_ssm's)
-        dt = dt[rows].clamp(*d.dt_limit)
-        state = None if span.fresh else ssm[span.slot].float()
-        ys, done = [], 0
-        for end, dst in [*span.saves, (span.start + n, span.slot)]:
-            o = end - span.start
-            if o > done:
-                piece = slice(done, o)
-                y, state = ssd_chunk(x[piece], dt[piece], A, B[piece], C[piece], self.D.float(), d.chunk, state,
-                                     (span.start + done) % d.chunk)
-                ys.append(y)
-                done = o
-            conv[dst], ssm[dst] = window[:, o:o + K1], state.to(ssm.dtype)
-        return torch.cat(ys)
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.d
+        z, xbc, dt = self.in_proj(h).split([d.d_inner, d.conv_dim, d.heads], dim=-1)
+        return xbc, F.softplus((dt + self.dt_bias).float()), z
+
+    def chunk(self, conv_out: torch.Tensor, dt: torch.Tensor, state: torch.Tensor | None, start: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the chunked form clamps dt to time_step_limit, the one-step form does not (transformers' and mamba_ssm's);
+        # the scan's blocks sit on the sequence's multiples of `chunk`
+        d = self.d
+        x, B, C = self._split(conv_out, conv_out.shape[0])
+        return ssd_chunk(x, dt.clamp(*d.dt_limit), -torch.exp(self.A_log.float()), B, C, self.D.float(), d.chunk,
+                         state, start % d.chunk)
+
+    def step(self, conv_out: torch.Tensor, dt: torch.Tensor, states: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, B, C = self._split(conv_out, conv_out.shape[0])
+        return ssm_step(states, x, dt, -torch.exp(self.A_log.float()), B, C, self.D.float())
+
+    def finish(self, y: torch.Tensor, z: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        y = gated_rms_norm(y.view(h.shape[0], -1).to(h.dtype), z, self.norm, self.d.groups, self.d.eps)
+        return self.out_proj(y)
 
     def _split(self, xbc: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [n, heads, head_dim], B and C [n, groups, d_state] of the conv's output."""
@@ -235,9 +213,8 @@ class HybridModel(LlamaModel):
         if quantization != "none":
             raise ValueError(f"quantization {quantization} is not supported on {cfg.model_type} models yet (their "
                              "mixers' projections run in the compute dtype): use --quantization none")
-        check_config(cfg)
-        self.config, self.dims = cfg, mamba_dims(cfg)
-        self.kinds = layer_kinds(cfg)
+        self.config = cfg
+        self._setup(cfg)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.embed = None if self.tied else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.windows = (None,)
@@ -249,16 +226,21 @@ class HybridModel(LlamaModel):
         self.final_softcap, self.rope_dtype, self.tp, self.decode_stack = None, None, None, None
         self.workspace = Workspace()
 
+    def _setup(self, cfg: PretrainedConfig) -> None:
+        """Check the config and read what the layers need: each layer's kind ('attention' or 'recurrent')."""
+        check_config(cfg)
+        self.dims, self.kinds = mamba_dims(cfg), layer_kinds(cfg)
+
     def _layer(self, cfg: PretrainedConfig, i: int) -> nn.Module:
         kind, before = self.kinds[i], self.kinds[:i]
         if kind == "attention":
             return HybridAttentionLayer(cfg, before.count("attention"), None)
         mlp = cfg.intermediate_size if cfg.model_type == "bamba" else None
-        return MambaLayer(self.dims, before.count("mamba"), Dense, mlp, bool(getattr(cfg, "mlp_bias", False)))
+        return MambaLayer(self.dims, before.count("recurrent"), Dense, mlp, bool(getattr(cfg, "mlp_bias", False)))
 
     @property
     def num_recurrent_layers(self) -> int:
-        return self.kinds.count("mamba")
+        return self.kinds.count("recurrent")
 
     @property
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -322,7 +304,8 @@ class HybridModel(LlamaModel):
         mamba2 = self.config.model_type == "mamba2"
         base = "backbone." if mamba2 else "model."
         with torch.no_grad():
-            self._load_ends(ck, base, mamba2)
+            self._load_ends(ck, base + ("embeddings.weight" if mamba2 else "embed_tokens.weight"),
+                            base + ("norm_f.weight" if mamba2 else "final_layernorm.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"{base}layers.{i}."
                 if getattr(layer, "recurrent", False):
@@ -335,16 +318,15 @@ class HybridModel(LlamaModel):
                     layer.load(ck, p, partial_rotary_order(self.config))
         ck.check_all_used()
 
-    def _load_ends(self, ck: CheckpointReader, base: str, mamba2: bool) -> None:
-        """The embedding (or the tied head that serves it), the LM head and the final norm."""
-        embed = base + ("embeddings.weight" if mamba2 else "embed_tokens.weight")
+    def _load_ends(self, ck: CheckpointReader, embed: str, norm: str) -> None:
+        """The embedding `embed` (or the tied head that serves it), the LM head and the final norm `norm`."""
         if self.tied:
             ck.put_linear(self.lm_head, "lm_head.weight" if "lm_head.weight" in ck.names else embed)
             ck.used.update({"lm_head.weight", embed} & ck.names)
         else:
             ck.put(self.embed.weight, embed)
             ck.put_linear(self.lm_head, "lm_head.weight")
-        ck.put(self.norm, base + ("norm_f.weight" if mamba2 else "final_layernorm.weight"))
+        ck.put(self.norm, norm)
 
 
 class HybridAttentionLayer(DecoderLayer):

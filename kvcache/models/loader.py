@@ -16,6 +16,8 @@ from kvcache.models.gemma import check_config as check_gemma_config
 from kvcache.models.hybrid import HybridModel
 from kvcache.models.hybrid import check_config as check_hybrid_config
 from kvcache.models.llama import LlamaModel
+from kvcache.models.qwen3_next import Qwen3NextModel
+from kvcache.models.qwen3_next import check_config as check_qwen3_next_config
 from kvcache.models.weights import GGUFSource, SafetensorsSource, WeightSource
 from kvcache.plan.model_source import demo_model_path
 
@@ -28,7 +30,8 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {**{a: LlamaModel for a in LlamaMod
                                               **{a: Gemma2Model for a in Gemma2Model.ARCHITECTURES},
                                               **{a: Gemma3Model for a in Gemma3Model.ARCHITECTURES},
                                               **{a: DeepseekModel for a in DeepseekModel.ARCHITECTURES},
-                                              **{a: HybridModel for a in HybridModel.ARCHITECTURES}}
+                                              **{a: HybridModel for a in HybridModel.ARCHITECTURES},
+                                              **{a: Qwen3NextModel for a in Qwen3NextModel.ARCHITECTURES}}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
 
@@ -126,6 +129,8 @@ def _check_arch(config: PretrainedConfig, path: str) -> None:
         model_windows(config)
         if MODEL_CLASSES[config.model_type] is HybridModel:
             check_hybrid_config(config)
+        if MODEL_CLASSES[config.model_type] is Qwen3NextModel:
+            check_qwen3_next_config(config)
         if MODEL_CLASSES[config.model_type] in (Gemma2Model, Gemma3Model):
             check_gemma_config(config)
         if MODEL_CLASSES[config.model_type] is DeepseekModel:

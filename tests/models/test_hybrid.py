@@ -1,6 +1,7 @@
-"""State-space and hybrid models (models/hybrid.py): Mamba-2 and Bamba against transformers on tiny random models,
-through chunked prefill (chunks that split the scan's blocks and the conv window), continuous batching, preemption
-and forks; their state pool as the planner sizes it; what cannot run on a per-sequence state refused."""
+"""State-space and hybrid models (models/hybrid.py, qwen3_next.py): Mamba-2, Bamba and Qwen3-Next against
+transformers on tiny random models, through chunked prefill (chunks that split the scan's blocks and the conv
+window), continuous batching, preemption, forks and prefix caching of states; their state pool as the planner sizes
+it; what cannot run on a per-sequence state refused."""
 from __future__ import annotations
 
 import json
@@ -89,24 +90,27 @@ def test_greedy_equals_transformers_through_chunks_and_batching(hybrid_dirs, arc
     assert info["free_state_slots"] == 3 and info["state_slots"] == 3 + info["state_snapshot_slots"]  # all given back
 
 
-def test_a_preempted_sequence_recomputes_its_state(hybrid_dirs):
+@pytest.mark.parametrize("arch", ["bamba", "qwen3_next"])  # (Mamba-2's blocks hold no bytes: none run out)
+def test_a_preempted_sequence_recomputes_its_state(hybrid_dirs, arch):
     """A pool of 12 blocks for 3 sequences of up to 82 tokens: some are preempted (their slot given back) and
     recomputed from their tokens, never resumed from a stale state."""
-    path = hybrid_dirs["bamba"]
+    path = hybrid_dirs[arch]
     hf = hf_model(path)
     prompts = _prompts()
     want = [hf_greedy(hf, p, 24) for p in prompts]
-    state = StateStore.slot_bytes(2, {"conv": (192, 3), "ssm": (8, 16, 16)}, torch.float32)
+    sizes = LLM(path, max_num_seqs=3, enable_prefix_caching=False, kv_cache_memory=2**22).kv_cache_info()
+    budget = 3 * sizes["state_bytes_per_seq"] + 12 * 16 * sizes["bytes_per_token"]
     llm = LLM(path, max_num_batched_tokens=32, max_num_seqs=3, max_model_len=128, enable_prefix_caching=False,
-              kv_cache_memory=3 * state + 12 * 16 * 256)
+              kv_cache_memory=budget)
     assert llm.kv_cache_info()["num_blocks"] == 12
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, **GREEDY))
     assert llm.kv_cache_info()["num_preemptions"] > 0
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
-def test_samples_forked_after_the_prompt_continue_from_its_state(hybrid_dirs, monkeypatch):
-    path = hybrid_dirs["mamba2"]
+@pytest.mark.parametrize("arch", ["mamba2", "qwen3_next"])
+def test_samples_forked_after_the_prompt_continue_from_its_state(hybrid_dirs, monkeypatch, arch):
+    path = hybrid_dirs[arch]
     prompt = _prompts()[1]
     want = hf_greedy(hf_model(path), prompt, 12)
     copies = []
@@ -123,8 +127,11 @@ def test_the_state_pool_is_what_the_planner_counts(hybrid_dirs, arch):
     with open(os.path.join(hybrid_dirs[arch], "config.json")) as f:
         shape = shape_from_config(json.load(f))
     per_seq = state_bytes_per_seq(shape, "float32")
-    # per layer: conv state (128 channels of x + 2 groups x 16 of B and C) x 3, SSM state 8 heads x 16 x 16
-    assert per_seq == shape.count("linear") * ((128 + 2 * 2 * 16) * 3 + 8 * 16 * 16) * 4
+    per_layer = {  # Mamba-2: conv state (128 channels of x + 2 groups x 16 of B and C) x 3, SSM state 8 x 16 x 16
+        "mamba2": (128 + 2 * 2 * 16) * 3 + 8 * 16 * 16, "bamba": (128 + 2 * 2 * 16) * 3 + 8 * 16 * 16,
+        # Gated DeltaNet: conv state (q and k of 2 heads x 16, v of 4 heads x 16) x 3, delta state 4 x 16 x 16
+        "qwen3_next": (2 * 2 * 16 + 4 * 16) * 3 + 4 * 16 * 16}[arch]
+    assert per_seq == shape.count("linear") * per_layer * 4
     llm = LLM(hybrid_dirs[arch], max_num_seqs=5, num_state_snapshots=7, kv_cache_memory=2**22)
     info = llm.kv_cache_info()
     assert info["state_bytes_per_seq"] == per_seq and info["state_slots"] == 5 + 7
@@ -219,3 +226,43 @@ def test_snapshots_beyond_their_slots_are_evicted_least_recent_first(hybrid_dirs
     assert llm.kv_cache_info()["state_snapshot_hits"] == info["state_snapshot_hits"]  # a's snapshot was evicted
     assert again.token_ids == first.token_ids
     assert again.cumulative_logprob == pytest.approx(first.cumulative_logprob, abs=1e-5)
+
+
+def test_the_multi_turn_bench_saves_prefill_on_a_hybrid(hybrid_dirs, tmp_path):
+    """`kvcache bench throughput --workload multi-turn` with prefix caching off and on: the same greedy tokens, and
+    each turn after the first starts from the state its conversation's last turn left."""
+    from kvcache.cli import main
+    out = tmp_path / "mt.json"
+    rc = main(["bench", "throughput", "--model", hybrid_dirs["bamba"], "--workload", "multi-turn",
+               "--prefix-caching-modes", "off,hash", "--num-conversations", "3", "--num-turns", "3",
+               "--prefix-len", "40", "--suffix-len", "12", "--output-len", "12", "--mamba-block-size", "16",
+               "--max-num-seqs", "4", "--kv-cache-memory", "4MiB", "--json", str(out)])
+    assert rc == 0
+    modes = json.loads(out.read_text())["modes"]
+    assert modes["hash"]["outputs_match_first_mode"] and modes["off"]["prefix_cache_hits"] == 0
+    assert modes["hash"]["prefill_reduction"] > 0.5
+
+
+def test_the_delta_rule_is_transformers_and_its_steps_and_any_split_of_it():
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+    from kvcache.models.delta_rule import delta_chunk, delta_step
+    gen = torch.Generator().manual_seed(0)
+    n, Hk, Hv, dk, dv = 37, 2, 4, 8, 6
+    q, k = torch.randn(n, Hk, dk, generator=gen), torch.randn(n, Hk, dk, generator=gen)
+    v, start = torch.randn(n, Hv, dv, generator=gen), torch.randn(Hv, dk, dv, generator=gen)
+    g, beta = -torch.rand(n, Hv, generator=gen), torch.rand(n, Hv, generator=gen)
+    want, want_final = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], chunk_size=8,
+                                                    initial_state=start[None], output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=True)
+    y, final = delta_chunk(q, k, v, g, beta, 8, start)
+    torch.testing.assert_close(y, want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, want_final[0], atol=1e-5, rtol=1e-5)
+    state, steps = start[None], []
+    for t in range(n):
+        out, state = delta_step(state, q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1])
+        steps.append(out)
+    torch.testing.assert_close(torch.cat(steps), y, atol=1e-5, rtol=1e-5)
+    y1, mid = delta_chunk(q[:13], k[:13], v[:13], g[:13], beta[:13], 8, start)
+    y2, end = delta_chunk(q[13:], k[13:], v[13:], g[13:], beta[13:], 8, mid)
+    torch.testing.assert_close(torch.cat([y1, y2]), y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(end, final, atol=1e-5, rtol=1e-5)
