@@ -54,6 +54,17 @@ class DecoderLayer(nn.Module):
         self.fused_any_rows = False  # whether the fused path takes steps above FUSED_MAX_ROWS (fuse)
         self.tp = None  # tensor parallelism (parallel/sharding.py): all-reduces o_proj's and down's outputs
 
+    def load_attention(self, ck, prefix: str) -> None:
+        """q/k/v_proj (fused into qkv) and o_proj, biases too where they have them, from a CheckpointReader `ck`
+        under `prefix` (model.layers.{i}.self_attn.)."""
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        ck.put_fused(self.qkv, [prefix + f"{n}_proj.weight" for n in "qkv"],
+                     [prefix + f"{n}_proj.bias" for n in "qkv"] if self.qkv.bias is not None else None,
+                     [q_rows, kv_rows, kv_rows])
+        ck.put_linear(self.o_proj, prefix + "o_proj.weight")
+        if self.o_proj.bias is not None:
+            ck.put(self.o_proj.bias, prefix + "o_proj.bias")
+
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm of residual + x, residual + x); the sum may be made in place in `residual` (a tensor of this

@@ -20,7 +20,6 @@ from transformers import PretrainedConfig
 
 from kvcache.attention.metadata import ForwardBatch
 from kvcache.attention.paged import Workspace
-from kvcache.models import cpu_kernels
 from kvcache.models.checkpoint import CheckpointReader
 from kvcache.models.decoder_layer import DecoderLayer
 from kvcache.models.linear import Dense
@@ -30,7 +29,6 @@ from kvcache.models.rope import partial_rotary_order, rope_tables
 from kvcache.models.recurrent import RecurrentMixer
 from kvcache.models.ssm import gated_rms_norm, ssd_chunk, ssm_step
 from kvcache.models.weights import WeightSource
-from kvcache.native import host_memory
 from kvcache.store.kv_store import KVStore
 from kvcache.store.quantized_store import QuantizedKVStore
 
@@ -271,11 +269,7 @@ class HybridModel(LlamaModel):
         if "attention" in self.kinds:
             cos, sin = rope_tables(self.config, self.max_positions)
             self.rope[None] = cos.to(device), sin.to(device)
-        fused = torch.device(device).type == "cpu" and self.compute_dtype == torch.float32
-        kernels = cpu_kernels.load() if fused else None
-        for m in self.modules():
-            if isinstance(m, Dense) and m.pack(keep_dense=m is self.lm_head and self.tied):
-                host_memory.trim_heap()
+        kernels = self.pack_weights(device)
         for layer in self.layers:
             if isinstance(layer, DecoderLayer):
                 layer.fuse(kernels)
@@ -339,14 +333,7 @@ class HybridAttentionLayer(DecoderLayer):
     def load(self, ck: CheckpointReader, prefix: str, order: list[int] | None) -> None:
         """Its weights under `prefix` (model.layers.{i}.); with `order`, q's and k's dims of each head permuted so
         (rope.partial_rotary_order)."""
-        a = prefix + "self_attn."
-        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        ck.put_fused(self.qkv, [a + f"{n}_proj.weight" for n in "qkv"],
-                     [a + f"{n}_proj.bias" for n in "qkv"] if self.qkv.bias is not None else None,
-                     [q_rows, kv_rows, kv_rows])
-        ck.put_linear(self.o_proj, a + "o_proj.weight")
-        if self.o_proj.bias is not None:
-            ck.put(self.o_proj.bias, a + "o_proj.bias")
+        self.load_attention(ck, prefix + "self_attn.")
         ck.put_mlp(self.gate_up, self.down, prefix + "feed_forward.")
         for param, name in self.NORMS.items():
             ck.put(getattr(self, param), f"{prefix}{name}.weight")

@@ -114,14 +114,20 @@ class LlamaModel(nn.Module):
         for key in {layer.rope_key for layer in self.layers}:
             cos, sin = rope_tables(self.config, self.max_positions, key)
             self.rope[key] = cos.to(device), sin.to(device)
+        kernels = self.pack_weights(device)
+        for layer in self.layers:
+            layer.fuse(kernels)
+        self.decode_stack = self._decode_stack(kernels)
+
+    def pack_weights(self, device: str | torch.device):
+        """Repack every float32 linear layer's weights (Dense.pack; a tied head keeps its dense copy too); the C++
+        kernels where this model computes in float32 on the CPU, else None."""
         fused = torch.device(device).type == "cpu" and self.compute_dtype == torch.float32
         kernels = cpu_kernels.load() if fused else None
         for m in self.modules():
             if isinstance(m, Dense) and m.pack(keep_dense=m is self.lm_head and self.tied):
                 host_memory.trim_heap()
-        for layer in self.layers:
-            layer.fuse(kernels)
-        self.decode_stack = self._decode_stack(kernels)
+        return kernels
 
     def _decode_stack(self, kernels) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
         """(weights, counts, windows) for cpu_kernels.decode_layers, where every layer is a plain fused DecoderLayer
@@ -257,13 +263,7 @@ class LlamaModel(nn.Module):
             self._load_embeddings(ck)
             for i, layer in enumerate(self.layers):
                 a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-                q_rows, kv_rows = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-                ck.put_fused(layer.qkv, [a + f"{n}_proj.weight" for n in "qkv"],
-                             [a + f"{n}_proj.bias" for n in "qkv"] if layer.qkv.bias is not None else None,
-                             [q_rows, kv_rows, kv_rows])
-                ck.put_linear(layer.o_proj, a + "o_proj.weight")
-                if layer.o_proj.bias is not None:
-                    ck.put(layer.o_proj.bias, a + "o_proj.bias")
+                layer.load_attention(ck, a)
                 ck.put_mlp(layer.gate_up, layer.down, m)
                 for param, name in layer.NORMS.items():
                     ck.put(getattr(layer, param), f"model.layers.{i}.{name}.weight")
