@@ -51,6 +51,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # and each prompt token's rank in the model's distribution (1-based, as vLLM's Logprob.rank), None for the first
     prompt_logprob_ranks: list[int | None] | None = None
+    # prompt tokens whose KV (and, for recurrent layers, state) it found cached when first admitted, in the pool or
+    # the offload tiers (vLLM's num_cached_tokens; OpenAI's usage.prompt_tokens_details.cached_tokens)
+    num_cached_tokens: int = 0
 
 
 class RequestFailedError(RuntimeError):
@@ -97,4 +100,5 @@ def request_output(req: Request, finished: bool, detokenize: Callable[[Sequence]
     first = next((s for s in req.seqs if s.index == 0), None)
     wanted = first is not None and req.params.prompt_logprobs is not None
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished, req.metrics, req.error,
-                         list(first.prompt_logprobs) if wanted else None, list(first.prompt_ranks) if wanted else None)
+                         list(first.prompt_logprobs) if wanted else None, list(first.prompt_ranks) if wanted else None,
+                         first.num_cached_tokens if first is not None else 0)

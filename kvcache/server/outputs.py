@@ -92,10 +92,12 @@ def _abort(loop: EngineLoop, ids) -> None:
 
 
 def usage(finals: list[RequestOutput]) -> dict:
-    """OpenAI's `usage` of these outputs: prompt, completion and total tokens."""
+    """OpenAI's `usage` of these outputs: prompt, completion and total tokens, and the prompt tokens found cached
+    (prompt_tokens_details.cached_tokens: the prefix cache's and the offload tiers' hits)."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
 
 
 def response_body(finals: dict[str, RequestOutput], ids: list[str], rid: str, kind: str, created: int, model: str,

@@ -185,8 +185,9 @@ def test_a_shared_prefix_starts_from_a_snapshot_of_its_state(hybrid_dirs, arch):
     llm = LLM(path, mamba_block_size=16, max_num_seqs=4, kv_cache_memory=2**22)
     llm.generate([{"prompt_token_ids": first}], params)
     before = llm.kv_cache_info()
-    got = llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0]
-    info = llm.kv_cache_info()
+    out = llm.generate([{"prompt_token_ids": second}], params)[0]
+    got, info = out.outputs[0], llm.kv_cache_info()
+    assert out.num_cached_tokens == 32
     assert info["state_snapshot_hits"] - before["state_snapshot_hits"] == 1
     assert info["prefix_cache_hits"] - before["prefix_cache_hits"] == 32
     assert got.token_ids == want

@@ -234,3 +234,23 @@ def test_dead_engine_answers_503(tiny_llama):
         _assert_error(_post(srv, "/v1/completions", {"model": MODEL, "prompt": PROMPT}), 503, "engine")
     finally:
         srv.stop()
+
+
+def test_usage_counts_the_prompt_tokens_found_cached(client, offline):
+    """usage.prompt_tokens_details.cached_tokens: 0 for a prompt seen the first time; a prompt that shares 4 full
+    blocks (16 tokens each) with it finds 64 tokens cached, on completions, chat and a streamed usage alike."""
+    shared = " ".join(f"w{i}" for i in range(30, 30 + 70))
+    first = client.completions.create(model=MODEL, prompt=shared + " w3", max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt=shared + " w4 w5", max_tokens=2, temperature=0)
+    n_shared = len(offline.get_tokenizer().encode(shared))
+    assert again.usage.prompt_tokens_details.cached_tokens == n_shared // 16 * 16 == 64
+    chunks = list(client.completions.create(model=MODEL, prompt=shared + " w6", max_tokens=2, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+    messages = [{"role": "user", "content": shared}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=messages + [
+        {"role": "assistant", "content": "w7"}, {"role": "user", "content": "w8"}], max_tokens=2, temperature=0)
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 64
+    assert chat.usage.prompt_tokens_details.cached_tokens % 16 == 0
