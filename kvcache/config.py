@@ -198,7 +198,7 @@ class EngineConfig:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if tp > 1:
-            refused = {"the KV offload tiers": bool(self.kv_offload_memory or self.kv_offload_dir or self.kv_remote),
+            refused = {"the KV offload tiers": self.offload_tiers,
                        "preemption_mode swap": self.preemption_mode == "swap",
                        "a draft model": self.speculative is not None and self.speculative.method == "draft_model"}
             on = [k for k, v in refused.items() if v]
@@ -222,6 +222,11 @@ class EngineConfig:
                              f"ipc://path); got {replay!r}")
         if replay == self.kv_events_endpoint:
             raise ValueError(f"kv_events_replay_endpoint must differ from kv_events_endpoint; both are {replay!r}")
+
+    @property
+    def offload_tiers(self) -> bool:
+        """Whether any KV offload tier (CPU memory, disk, remote) is configured."""
+        return bool(self.kv_offload_memory or self.kv_offload_dir or self.kv_remote)
 
     @property
     def eviction(self) -> EvictionSpec:

@@ -24,6 +24,7 @@ from kvcache.engine.outputs import CompletionOutput, Request, RequestOutput, req
 from kvcache.engine.sampling_step import SamplingStep
 from kvcache.engine.sequence import Sequence
 from kvcache.engine.startup import EngineStartup
+from kvcache.memory.state_snapshots import SnapshotStats
 from kvcache.models.loader import LoadedModel
 from kvcache.plan.kv_bytes import residual_bytes_per_seq
 
@@ -312,6 +313,15 @@ class LLMEngine(EngineStartup, RequestAdmission, SamplingStep):
 
     # ---- introspection ------------------------------------------------------------------------
 
+    def _snapshot_info(self) -> dict:
+        """The recurrent state's snapshots (prefix caching of a hybrid model): held, slots, saved, hit, evicted."""
+        snaps = self.snapshots
+        stats = snaps.stats if snaps is not None else SnapshotStats()
+        return {"state_snapshots": len(snaps) if snaps is not None else 0,
+                "state_snapshot_slots": snaps.num_slots if snaps is not None else 0,
+                "state_snapshots_saved": stats.saved, "state_snapshot_hits": stats.hits,
+                "state_snapshots_evicted": stats.evicted}
+
     def kv_cache_info(self) -> dict:
         """KV cache figures (bytes, blocks, tokens) as sized at start-up, plus current usage and prefix caching.
 
@@ -336,11 +346,7 @@ class LLMEngine(EngineStartup, RequestAdmission, SamplingStep):
             "state_layers": self.shape.count("linear"), "state_slots": c.state_slots, "state_bytes": c.state_bytes,
             "state_bytes_per_seq": self.state_store.bytes_per_slot if self.state_store is not None else 0,
             "free_state_slots": self.state_slots.num_free if self.state_slots is not None else 0,
-            "state_snapshots": len(self.snapshots) if self.snapshots is not None else 0,
-            "state_snapshot_slots": self.snapshots.num_slots if self.snapshots is not None else 0,
-            "state_snapshots_saved": self.snapshots.stats.saved if self.snapshots is not None else 0,
-            "state_snapshot_hits": self.snapshots.stats.hits if self.snapshots is not None else 0,
-            "state_snapshots_evicted": self.snapshots.stats.evicted if self.snapshots is not None else 0,
+            **self._snapshot_info(),
             "blocks_per_request": c.blocks_per_request,
             "free_blocks": free, "used_blocks": kv.pool.num_usable - free,
             "usage": 1 - free / kv.pool.num_usable, "peak_used_blocks": self.stats.peak_used_blocks,

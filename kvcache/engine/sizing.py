@@ -13,6 +13,7 @@ has left once the weights are loaded, stated term by term.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -194,7 +195,7 @@ def check_recurrent(config: EngineConfig, shape: ModelShape, kv_dtype: str) -> N
                f"kv_cache_dtype {kv_dtype} (KIVI)": KV_DTYPES[kv_dtype].scales == "kivi",
                "speculative decoding": config.speculative is not None,
                "--preemption-mode swap": config.preemption_mode == "swap",
-               "the KV offload tiers": bool(config.kv_offload_memory or config.kv_offload_dir or config.kv_remote),
+               "the KV offload tiers": config.offload_tiers,
                f"tensor_parallel_size {config.tensor_parallel_size}": config.tensor_parallel_size > 1,
                f"--quantization {config.quantization}": config.quantization != "none",
                "the radix prefix cache (use --prefix-caching-algo hash)":
@@ -249,7 +250,7 @@ def single_table_reason(config: EngineConfig, kv_dtype: str) -> str | None:
     if config.enable_prefix_caching and config.prefix_caching_algo == "radix":
         return "the radix prefix cache holds its blocks (use --prefix-caching-algo hash to free them)"
     reasons = {"kv_cache_dtype " + kv_dtype + "'s fp16 key residual (KIVI)": KV_DTYPES[kv_dtype].scales == "kivi",
-               "the KV offload tiers": bool(config.kv_offload_memory or config.kv_offload_dir or config.kv_remote),
+               "the KV offload tiers": config.offload_tiers,
                "--preemption-mode swap": config.preemption_mode == "swap",
                "KV events": bool(config.kv_events_endpoint), "speculative decoding": config.speculative is not None}
     on = [name for name, yes in reasons.items() if yes]
@@ -300,10 +301,10 @@ def profile_forward(model: LlamaModel, config: EngineConfig, device: torch.devic
     batch.logits_indices = torch.arange(tokens - rows, tokens, device=device)
     if getattr(model, "num_recurrent_layers", 0):  # each chunk a fresh sequence in a slot of its own
         states = StateStore(model.num_recurrent_layers, len(chunks), model.state_shapes, dtype, device)
-        starts = [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
-        batch.states = StateBatch(states, [StateSpan(s, len(c.token_ids), i, 0, []) for i, (s, c) in enumerate(zip(starts, chunks))],
-                                  torch.zeros(0, dtype=torch.long, device=device),
-                                  torch.zeros(0, dtype=torch.long, device=device))
+        firsts = itertools.accumulate((len(c.token_ids) for c in chunks[:-1]), initial=0)
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        batch.states = StateBatch(states, [StateSpan(first, len(c.token_ids), i, 0, [])
+                                           for i, (first, c) in enumerate(zip(firsts, chunks))], none, none)
     logits = model(batch, store).float()
     sample(logits, [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), None, [], 0) for _ in range(rows)])
     if not cuda:

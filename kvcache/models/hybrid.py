@@ -246,8 +246,8 @@ class HybridModel(LlamaModel):
         return self.dims.state_shapes
 
     @property
-    def _attention(self) -> list[DecoderLayer]:
-        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+    def _attention(self) -> list[nn.Module]:
+        return [layer for layer in self.layers if not layer.recurrent]
 
     @property
     def kv_layout(self) -> tuple[int, int, bool]:
@@ -261,7 +261,7 @@ class HybridModel(LlamaModel):
         return attn[0].scale if attn else 1.0
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h, self.norm, self.dims.eps if self.config.model_type == "mamba2" else self.config.rms_norm_eps)
+        return rms_norm(h, self.norm, self.dims.eps)  # Mamba2's layer_norm_epsilon, Bamba's rms_norm_eps
 
     def init_rope(self, device: str | torch.device = "cpu") -> None:
         """RoPE tables where there are attention layers; pack the linear layers and hand the attention layers the
@@ -283,11 +283,11 @@ class HybridModel(LlamaModel):
         rows = batch.logits_indices if batch.logits_indices.numel() < batch.num_tokens else None
         residual, last = None, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            if getattr(layer, "recurrent", False):
+            if layer.recurrent:
                 x, residual = layer(x, residual, batch)
             else:
                 x, residual = layer(x, residual, cos, sin, batch, store, self.workspace, rows if i == last else None)
-        selected = rows is not None and not getattr(self.layers[last], "recurrent", False)
+        selected = rows is not None and not self.layers[last].recurrent
         h = x + residual
         if not selected:
             h = h.index_select(0, batch.logits_indices)
@@ -298,11 +298,11 @@ class HybridModel(LlamaModel):
         mamba2 = self.config.model_type == "mamba2"
         base = "backbone." if mamba2 else "model."
         with torch.no_grad():
-            self._load_ends(ck, base + ("embeddings.weight" if mamba2 else "embed_tokens.weight"),
-                            base + ("norm_f.weight" if mamba2 else "final_layernorm.weight"))
+            self._load_embeddings(ck, base + ("embeddings.weight" if mamba2 else "embed_tokens.weight"),
+                                  base + ("norm_f.weight" if mamba2 else "final_layernorm.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"{base}layers.{i}."
-                if getattr(layer, "recurrent", False):
+                if layer.recurrent:
                     ck.put(layer.input_norm, p + ("norm.weight" if mamba2 else "input_layernorm.weight"))
                     layer.mixer.load(ck, p + ("mixer." if mamba2 else "mamba."))
                     if layer.mlp:
@@ -311,16 +311,6 @@ class HybridModel(LlamaModel):
                 else:
                     layer.load(ck, p, partial_rotary_order(self.config))
         ck.check_all_used()
-
-    def _load_ends(self, ck: CheckpointReader, embed: str, norm: str) -> None:
-        """The embedding `embed` (or the tied head that serves it), the LM head and the final norm `norm`."""
-        if self.tied:
-            ck.put_linear(self.lm_head, "lm_head.weight" if "lm_head.weight" in ck.names else embed)
-            ck.used.update({"lm_head.weight", embed} & ck.names)
-        else:
-            ck.put(self.embed.weight, embed)
-            ck.put_linear(self.lm_head, "lm_head.weight")
-        ck.put(self.norm, norm)
 
 
 class HybridAttentionLayer(DecoderLayer):

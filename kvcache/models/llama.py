@@ -272,13 +272,13 @@ class LlamaModel(nn.Module):
                     ck.put(layer.k_norm, a + "k_norm.weight")
         ck.check_all_used()
 
-    def _load_embeddings(self, ck: CheckpointReader) -> None:
-        """The embedding (or the tied head that serves it), the LM head and the final norm."""
+    def _load_embeddings(self, ck: CheckpointReader, embed: str = "model.embed_tokens.weight",
+                         norm: str = "model.norm.weight") -> None:
+        """The embedding `embed` (or the tied head that serves it), the LM head and the final norm `norm`."""
         if self.tied:
-            head = "lm_head.weight" if "lm_head.weight" in ck.names else "model.embed_tokens.weight"
-            ck.put_linear(self.lm_head, head)
-            ck.used.update({"lm_head.weight", "model.embed_tokens.weight"} & ck.names)
+            ck.put_linear(self.lm_head, "lm_head.weight" if "lm_head.weight" in ck.names else embed)
+            ck.used.update({"lm_head.weight", embed} & ck.names)
         else:
-            ck.put(self.embed.weight, "model.embed_tokens.weight")
+            ck.put(self.embed.weight, embed)
             ck.put_linear(self.lm_head, "lm_head.weight")
-        ck.put(self.norm, "model.norm.weight")
+        ck.put(self.norm, norm)

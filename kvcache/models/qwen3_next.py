@@ -286,15 +286,6 @@ class Qwen3NextModel(HybridModel):
         return next(layer.mixer.state_shapes for layer in self.layers if layer.recurrent)
 
     @property
-    def kv_layout(self) -> tuple[int, int, bool]:
-        attn = [layer for layer in self.layers if not layer.recurrent]
-        return (attn[0].num_kv_heads, attn[0].head_dim, False) if attn else (1, 1, False)
-
-    @property
-    def attention_scale(self) -> float:
-        return self.config.head_dim ** -0.5
-
-    @property
     def compute_dtype(self) -> torch.dtype:
         return self._compute_dtype or self.norm.dtype
 
@@ -318,7 +309,7 @@ class Qwen3NextModel(HybridModel):
         ck = CheckpointReader(source)
         order = partial_rotary_order(self.config)
         with torch.no_grad():
-            self._load_ends(ck, "model.embed_tokens.weight", "model.norm.weight")
+            self._load_embeddings(ck)
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 layer.load(ck, p) if layer.recurrent else layer.load(ck, p, order)

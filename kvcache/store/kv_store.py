@@ -98,12 +98,17 @@ class KVStore:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
-        if not pairs or not self.k:
-            return
-        src = torch.tensor([p[0] for p in pairs], device=self.k[0].device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.k[0].device)
-        for t in self.block_tensors():
-            t.index_copy_(0, dst, t.index_select(0, src))
+        copy_rows(self.block_tensors(), pairs)
+
+
+def copy_rows(tensors: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+    """Copy rows (dim 0) src -> dst in each of `tensors`, all on one device (no-op for no pairs or no tensors)."""
+    if not pairs or not tensors:
+        return
+    src = torch.tensor([p[0] for p in pairs], device=tensors[0].device)
+    dst = torch.tensor([p[1] for p in pairs], device=tensors[0].device)
+    for t in tensors:
+        t.index_copy_(0, dst, t.index_select(0, src))
 
 
 def move_slots(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:

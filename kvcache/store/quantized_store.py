@@ -25,7 +25,7 @@ import torch
 
 from kvcache.plan.kv_bytes import check_latent_format, kv_dtype
 from kvcache.store.codecs import BITS, FP8, quantize_per_channel, quantize_per_token, unpack
-from kvcache.store.kv_store import KVStore, _unique, alias_lists, block_zeros, move_slots
+from kvcache.store.kv_store import KVStore, _unique, alias_lists, block_zeros, copy_rows, move_slots
 
 
 @dataclass(slots=True)
@@ -213,12 +213,7 @@ class QuantizedKVStore:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (a fork's partial block and private blocks)."""
-        if not pairs:
-            return
-        src = torch.tensor([a for a, _ in pairs], device=self.raw[0].device)
-        dst = torch.tensor([b for _, b in pairs], device=self.raw[0].device)
-        for raw in self.block_tensors():
-            raw.index_copy_(0, dst, raw.index_select(0, src))
+        copy_rows(self.block_tensors(), pairs)
 
 
 def make_store(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,

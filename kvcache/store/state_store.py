@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.store.kv_store import copy_rows
+
 
 class StateStore:
     """Per recurrent layer, a tensor [num_slots, *shape] for each named state of `shapes` (the same for every
@@ -40,14 +42,7 @@ class StateStore:
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy slots src -> dst in every layer (a sample forked from its parent continues from its state)."""
-        if not pairs:
-            return
-        device = next(iter(self.tensors[0].values())).device if self.tensors else "cpu"
-        src = torch.tensor([p[0] for p in pairs], device=device)
-        dst = torch.tensor([p[1] for p in pairs], device=device)
-        for layer in self.tensors:
-            for t in layer.values():
-                t.index_copy_(0, dst, t.index_select(0, src))
+        copy_rows([t for layer in self.tensors for t in layer.values()], pairs)
 
 
 def state_formula(shapes: dict[str, tuple[int, ...]], num_layers: int, dtype: torch.dtype) -> str:
