@@ -32,4 +32,12 @@ namespace kvcache {
 // Read the cache line at p into every level of cache, ahead of its use (a hint: never faults).
 static inline void prefetch_l1(const void* p) { __builtin_prefetch(p, 0, 3); }
 
+#if defined(KVCACHE_X86)
+// Pins a vector accumulator to a register at this point. GCC reassociates integer vector sums freely (they are
+// exact), and in a kernel that sums many products per accumulator it turns the chain into a tree whose leaves
+// spill to the stack (16 ymm registers); this keeps the chain as written.
+template <class V>
+static inline void in_register(V& v) { asm volatile("" : "+x"(v)); }
+#endif
+
 }  // namespace kvcache

@@ -246,6 +246,7 @@ static inline void int4_tile(const uint8_t* wb, const uint16_t* db, const uint16
           const int32_t* a = (const int32_t*)(qa + t * K + g * 32 + o * 8);
           sum[t] = _mm256_add_epi16(sum[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[0])),
                                                              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[1]))));
+          in_register(sum[t]);
         }
       }
     } else {
@@ -259,6 +260,8 @@ static inline void int4_tile(const uint8_t* wb, const uint16_t* db, const uint16
           const __m256i a = _mm256_set1_epi32(*(const int32_t*)(qa + t * K + g * 32 + o * 4));
           sum[t] = _mm256_add_epi16(sum[t], _mm256_maddubs_epi16(lo, a));
           sum_hi[t] = _mm256_add_epi16(sum_hi[t], _mm256_maddubs_epi16(hi, a));
+          in_register(sum[t]);
+          in_register(sum_hi[t]);
         }
       }
     }
@@ -287,8 +290,13 @@ static void grouped_linear(Tensor out, Tensor x, Tensor qw, Tensor d, Tensor m) 
   const uint8_t* wp = c.wp;
   const uint16_t *dp = c.dp, *mp = c.mp;
   float* op = c.op;
+  // Rows in chunks of about 96 KiB of int8 activations (L2), each chunk against all of a thread's blocks: without
+  // them a prefill's activations (2,048 x 576 bytes and more) stream from L3 once per half-block.
+  const int64_t chunk = std::max<int64_t>(16, (96 * 1024 / K) / 4 * 4);
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += chunk)
     for (int64_t b = begin; b < end; ++b) {
+      const int64_t m1 = std::min(M, m0 + chunk);
       const uint8_t* wb = wp + b * (K * BITS / 32) * 64;
       const uint16_t* db = dp + b * G * 16;
       const uint16_t* mb = mp + b * G * 16;
@@ -296,14 +304,14 @@ static void grouped_linear(Tensor out, Tensor x, Tensor qw, Tensor d, Tensor m) 
       for (int h = 0; h < 2; ++h) {
         const int rows = (int)std::min<int64_t>(8, N - n0 - 8 * h);
         if (rows <= 0) break;
-        int64_t t = 0;
-        for (; t + 4 <= M; t += 4)
+        int64_t t = m0;
+        for (; t + 4 <= m1; t += 4)
           int4_tile<4, BITS>(wb, db, mb, G, qa.data() + t * K, da.data() + t * G, sa.data() + t * G, K, op + t * N + n0, N,
                        h, rows);
         const int8_t* a = qa.data() + t * K;
         const float *dt = da.data() + t * G, *st = sa.data() + t * G;
         float* o = op + t * N + n0;
-        switch (M - t) {
+        switch (m1 - t) {
           case 3: int4_tile<3, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
           case 2: int4_tile<2, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
           case 1: int4_tile<1, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;

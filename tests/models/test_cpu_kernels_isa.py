@@ -109,6 +109,26 @@ def test_int4_linear_is_the_vnni_kernels_float_result_and_batch_invariant(kernel
             assert torch.equal(part, whole[start:start + rows]), (rows, start)
 
 
+def test_int4_linear_over_several_row_chunks_is_each_rows_own_result(kernels):
+    """A prefill's rows go in chunks of about 96 KiB of int8 activations (88 rows at 1,088 inputs), every chunk
+    against all of a thread's weight blocks: 203 rows (two chunks and one of 27, whose tail is 3 rows) get the
+    VNNI kernel's floats, each row what it gets alone."""
+    from kvcache.models.quant_linear import Int4Dense
+    g = torch.Generator().manual_seed(7)
+    k, n = 1088, 40
+    layer = Int4Dense(k, n, bias=False)
+    with torch.no_grad():
+        layer.load_rows(0, torch.randn(n, k, generator=g))
+    x = torch.randn(203, k, generator=g)
+    whole = torch.empty(203, n)
+    kernels.int4_linear(whole, x, layer.qweight, layer.scale, layer.minimum)
+    assert torch.equal(whole, _vnni_reference(layer, x))
+    for r in (0, 87, 88, 175, 176, 202):  # the chunks' edges
+        alone = torch.empty(1, n)
+        kernels.int4_linear(alone, x[r:r + 1].contiguous(), layer.qweight, layer.scale, layer.minimum)
+        assert torch.equal(alone, whole[r:r + 1]), r
+
+
 @pytest.mark.parametrize("k", [1, 5, 63, 64, 65, 576])  # chunks of 64 inputs and their tails
 @pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 70])  # whole, half and partial panels
 def test_panel_linear_is_its_reference_and_batch_invariant(kernels, k, n):
