@@ -69,6 +69,17 @@ def _add_scheduler_args(p) -> None:
                    help="recompute: a preempted request's KV is freed and prefilled again when it resumes; swap: it "
                         "goes to the cpu tier (--kv-offload-memory), else the disk tier, and comes back (recompute "
                         "when the tier is full) (default: %(default)s)")
+    p.add_argument("--kv-pressure-policy", default="preempt", choices=["preempt", "ladder"],
+                   help="when a step's KV blocks do not fit: preempt the last admitted request; or ladder: swap it "
+                        "out (with --preemption-mode swap), else evict tokens of the longest running request (its "
+                        "first 4 and last 64 kept), then preempt; a request with kv_pressure \"exact\" is never "
+                        "evicted from (default: %(default)s)")
+    p.add_argument("--kv-pressure-max-evict", type=float, default=0.5,
+                   help="the ladder evicts at most this share of a request's tokens, in (0, 0.9] (default: "
+                        "%(default)s)")
+    p.add_argument("--kv-pressure-evict", default="knorm", choices=["knorm", "streaming"],
+                   help="which tokens the ladder evicts: knorm, those with the largest key norms per KV head (Devoto "
+                        "et al. 2024), or streaming, the oldest after the sinks (default: %(default)s)")
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, vLLM\'s fields: \'{"method": "ngram", "num_speculative_tokens": '
                         '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": '
@@ -405,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
              "hybrid and Mamba-2 layers: the planner's curves and the engine's pool use", "kvcache.bench.state_memory")
     _command(bsub, "spec-decode", "speculative decoding (n-gram or a draft model) against plain decoding on "
              "input-grounded and random prompts, by batch size", "kvcache.bench.spec_decode")
+    _command(bsub, "pressure", "a workload that oversubscribes the KV pool, with --kv-pressure-policy preempt and "
+             "with the ladder at several bounds: throughput, TTFT, ITL, preemptions, and top-1/KL against the "
+             "unconstrained run", "kvcache.eval.pressure")
     _command(bsub, "mla", "MLA's latent KV bytes per token against MHA, and decode step time of absorbed against "
              "expanded attention", "kvcache.bench.mla")
     _command(bsub, "tensor-parallel", "the same workload on 1 rank and on --tensor-parallel-size ranks: tok/s, KV "

@@ -10,6 +10,10 @@ from kvcache.plan.capacity import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NU
 from kvcache.plan.kv_bytes import KV_DTYPES, default_block_size, kv_dtype
 from kvcache.plan.sizes import memory_share, parse_bytes
 
+PRESSURE_POLICIES = ("preempt", "ladder")
+PRESSURE_EVICT_RULES = ("knorm", "streaming")
+MAX_PRESSURE_EVICT = 0.9  # the ladder never evicts more of a request's tokens than this
+
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")  # where --kv-events-endpoint may bind (ZeroMQ)
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -72,6 +76,12 @@ class EngineConfig:
     # swap (its blocks' contents go to the cpu tier, else the disk tier, and come back on resume; recompute when
     # the tier has no room)
     preemption_mode: str = "recompute"
+    # When a step's blocks do not fit (engine/pressure.py): preempt (the last admitted sequence, as vLLM), or ladder:
+    # swap it out where preemption_mode is swap, else evict tokens of the longest running sequence (its attention
+    # sinks and recent window kept; at most kv_pressure_max_evict of its tokens in all), then preempt
+    kv_pressure_policy: str = "preempt"
+    kv_pressure_max_evict: float = 0.5
+    kv_pressure_evict: str = "knorm"  # which tokens the ladder evicts: knorm (largest key norms) or streaming
     # KV events for routers (vLLM's format over ZeroMQ, engine/kv_events.py): tcp://*:5557 binds, tcp://host:port
     # connects to a subscriber that binds; None = none published
     kv_events_endpoint: str | None = None
@@ -178,9 +188,23 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.kv_offload_memory is None and self.kv_offload_dir is None:
             raise ValueError("preemption_mode swap keeps a preempted sequence's KV in an offload tier: give "
                              "--kv-offload-memory SIZE (host memory) or --kv-offload-dir PATH (disk)")
+        self._check_pressure()
         if self.kv_events_endpoint is not None and not str(self.kv_events_endpoint).startswith(ENDPOINT_SCHEMES):
             raise ValueError(f"kv_events_endpoint must be a ZeroMQ endpoint (tcp://*:5557, tcp://host:port, ipc://path);"
                              f" got {self.kv_events_endpoint!r}")
+
+    def _check_pressure(self) -> None:
+        """The memory-pressure ladder's fields (engine/pressure.py)."""
+        if self.kv_pressure_policy not in PRESSURE_POLICIES:
+            raise ValueError(f"kv_pressure_policy must be one of {', '.join(PRESSURE_POLICIES)}; got "
+                             f"{self.kv_pressure_policy!r}")
+        m = self.kv_pressure_max_evict
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= MAX_PRESSURE_EVICT:
+            raise ValueError(f"kv_pressure_max_evict (the share of a request's tokens the ladder may evict) must be "
+                             f"in (0, {MAX_PRESSURE_EVICT}]; got {m!r}")
+        if self.kv_pressure_evict not in PRESSURE_EVICT_RULES:
+            raise ValueError(f"kv_pressure_evict must be one of {', '.join(PRESSURE_EVICT_RULES)}; got "
+                             f"{self.kv_pressure_evict!r}")
 
     def _check_speculation_and_ranks(self) -> None:
         """speculative_config (parsed into `speculative`), tensor_parallel_size and attention_backend, and what
@@ -188,6 +212,9 @@ class EngineConfig:
         group = self.kv_group
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative is not None:
+            if self.kv_pressure_policy == "ladder":
+                raise ValueError("speculative_config cannot be combined with kv_pressure_policy ladder: a verification "
+                                 "step's rejected tokens would sit in a compacted cache")
             if self.kv_eviction != "none":
                 raise ValueError(f"speculative_config cannot be combined with kv_eviction {self.kv_eviction}: its "
                                  "scores would count the queries of rejected tokens")
@@ -200,6 +227,7 @@ class EngineConfig:
         if tp > 1:
             refused = {"the KV offload tiers": self.offload_tiers,
                        "preemption_mode swap": self.preemption_mode == "swap",
+                       "kv_pressure_policy ladder": self.kv_pressure_policy == "ladder",
                        "a draft model": self.speculative is not None and self.speculative.method == "draft_model"}
             on = [k for k, v in refused.items() if v]
             if on:

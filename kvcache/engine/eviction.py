@@ -192,6 +192,19 @@ class Evictor:
         self.stats.freed_blocks += freed
         return Compaction(n, top, starts, [(list(o), list(w)) for o, w in pairs])
 
+    def compact_now(self, seq_id: int, state: EvictionState, n: int, top: int) -> bool:
+        """Compact `seq_id`'s `n` cached slots to the `top` its state's policy selects, now, between steps (the
+        pressure ladder: engine/pressure.py; one table, one process). False, and nothing changed, where the table
+        cannot take the fresh blocks the compaction needs."""
+        res = self.kv.compact(seq_id, top)
+        if res is None:
+            return False
+        old, new = list(res[0]), list(res[1])  # counted by the ladder (PressureStats), not in self.stats
+        plan = Compaction(n, top, [0] * self.num_layers, [(old, new)])
+        self.apply(EvictionWork(seq_id, state.policy.name, top, state.prompt_len, state.seed, state.epoch, range(0),
+                                range(0), [old], plan), state, [])
+        return True
+
     def apply(self, work: EvictionWork, state: EvictionState, queries: list[torch.Tensor]) -> None:
         """Phase 2 (every rank): observe the sequence's captured queries, then move its survivors."""
         if len(work.slots):

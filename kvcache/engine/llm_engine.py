@@ -359,6 +359,7 @@ class LLMEngine(EngineStartup, RequestAdmission, SamplingStep):
             "kv_eviction": self.config.kv_eviction, "kv_budget": self.config.kv_budget,
             "evicted_tokens": self.evictor.stats.evicted_tokens, "eviction_freed_blocks": self.evictor.stats.freed_blocks,
             "eviction_compactions": self.evictor.stats.compactions,
+            "kv_pressure_policy": self.config.kv_pressure_policy, **self._pressure_info(),
             "prefill_tokens_computed": self.stats.prefill_tokens_computed,
             "speculative_config": vars(self.spec) if self.spec else None,
             "spec_decode_num_drafts": self.stats.spec_drafts,
@@ -370,6 +371,13 @@ class LLMEngine(EngineStartup, RequestAdmission, SamplingStep):
             "offload": self.offload.info() if self.offload else None,
             "kv_events": self.event_publisher.info() if self.event_publisher else None,
         }
+
+    def _pressure_info(self) -> dict:
+        """The pressure ladder's counts (zero without it)."""
+        ladder = self.scheduler.pressure
+        st = ladder.stats if ladder is not None else None
+        return {f"pressure_{k}": getattr(st, k) if st else 0 for k in ("evictions", "evicted_tokens", "freed_blocks",
+                                                                          "failed")}
 
     def close(self) -> None:
         """Write what the offload tiers still have queued and publish the last KV events; the engine must not be

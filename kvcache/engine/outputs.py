@@ -54,6 +54,17 @@ class RequestOutput:
     # prompt tokens whose KV (and, for recurrent layers, state) it found cached when first admitted, in the pool or
     # the offload tiers (vLLM's num_cached_tokens; OpenAI's usage.prompt_tokens_details.cached_tokens)
     num_cached_tokens: int = 0
+    # what the memory-pressure ladder did to its cache (engine/pressure.py), over its samples: tokens evicted and
+    # how often, preemptions, and those of them that swapped its KV out to a tier
+    kv_degradation: dict[str, int] | None = None
+
+
+def kv_degradation(seqs: list[Sequence]) -> dict[str, int]:
+    """A request's pressure counts, summed over its sequences."""
+    return {"evicted_tokens": sum(s.pressure_evicted for s in seqs),
+            "evictions": sum(s.pressure_evictions for s in seqs),
+            "preemptions": sum(s.num_preemptions for s in seqs),
+            "swapped_out": sum(s.num_swapped_out for s in seqs)}
 
 
 class RequestFailedError(RuntimeError):
@@ -101,4 +112,4 @@ def request_output(req: Request, finished: bool, detokenize: Callable[[Sequence]
     wanted = first is not None and req.params.prompt_logprobs is not None
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished, req.metrics, req.error,
                          list(first.prompt_logprobs) if wanted else None, list(first.prompt_ranks) if wanted else None,
-                         first.num_cached_tokens if first is not None else 0)
+                         first.num_cached_tokens if first is not None else 0, kv_degradation(req.seqs))

@@ -12,6 +12,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64  # each is searched for after every token
 MAX_STOP_TOKEN_IDS = 1024  # each is looked up after every token
+KV_PRESSURE = ("degrade", "exact")  # what the pressure ladder may do to a request's cache (engine/pressure.py)
 # Sample i of a request is seeded with seed + i, which must fit torch's 64-bit generator seed.
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1 - MAX_N
 
@@ -43,6 +44,9 @@ class SamplingParams:
         field): the prompt is computed in full, without the prefix cache's blocks (logits only come from a forward),
         at most max_num_seqs of such rows a step with chunked prefill (scheduler.py).
     skip_special_tokens: leave special tokens out of the detokenized text.
+    kv_pressure: "degrade" (default) lets the engine's pressure ladder (--kv-pressure-policy ladder) evict tokens of
+        this request's cache when the pool runs dry; "exact" never does: the request is only ever preempted, so its
+        output is the unconstrained one's.
     """
 
     n: int = 1
@@ -62,6 +66,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    kv_pressure: str = "degrade"
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -104,6 +109,9 @@ class SamplingParams:
             _check("prompt_logprobs", self.prompt_logprobs, 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                    f"in [0, {MAX_LOGPROBS}] or None")
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        if self.kv_pressure not in KV_PRESSURE:
+            raise ValueError(f"kv_pressure must be one of {', '.join(map(repr, KV_PRESSURE))}, got "
+                             f"{describe(self.kv_pressure)}")
 
     @property
     def greedy(self) -> bool:

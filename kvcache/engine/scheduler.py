@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvcache.config import EngineConfig
+from kvcache.engine.pressure import PressureLadder
 from kvcache.engine.sequence import Sequence, SequenceStatus
 from kvcache.memory.kv_cache_manager import KVCacheManager, blocks_for
 
@@ -86,6 +87,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.watermark = max(1, int(WATERMARK_FRACTION * kv.pool.num_usable))
         self.num_preemptions = 0
+        self.pressure = None  # an engine.pressure.PressureLadder under --kv-pressure-policy ladder (set by the engine)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -132,7 +134,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         seq.draft = []
-        if self.swap and not self._swap_out(seq):
+        if self.swap and seq.seq_id not in self._swapped and not self._swap_out(seq):
             self.num_swap_fallbacks += 1
         self.kv.free(seq.seq_id)
         if seq.seq_id not in self._swapped:
@@ -147,6 +149,7 @@ class Scheduler:
     def _restart(seq: Sequence) -> None:
         """Make `seq` start over: recomputed from its tokens."""
         seq.num_computed_tokens = 0
+        PressureLadder.forget(seq)  # recomputed, it is exact again
         if seq.eviction:  # recomputed from scratch: every token so far is its prompt now
             seq.eviction.reset(seq.num_tokens)
 
@@ -162,7 +165,21 @@ class Scheduler:
             return False
         self._swapped[seq.seq_id] = Swapped(seq.num_computed_tokens, n, self.kv.is_compacted(seq.seq_id))
         self.num_swapped_out += 1
+        seq.num_swapped_out += 1
         return True
+
+    def _relieve(self, seq: Sequence, tokens: int, scheduled: dict[int, int]) -> bool:
+        """The pressure ladder's rungs before a preemption (engine/pressure.py), for `seq`'s allocation of `tokens`
+        cache slots that failed:
+        True if one freed blocks (try again), False if the victim is to be preempted. With swap, the victim is
+        swapped out first (no quality lost; its preemption follows); where the tier has no room, tokens of the
+        longest sequence not yet scheduled this step are evicted."""
+        if self.pressure is None:
+            return False
+        if self.swap and self._swap_out(self.running[-1]):
+            return False
+        need = self.kv.blocks_needed(seq.seq_id, tokens)
+        return self.pressure.evict(self.running, set(scheduled), max(1, need - self.kv.num_free_blocks))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -188,6 +205,8 @@ class Scheduler:
                 if seq.draft:  # a proposal never preempts anyone: drop it first
                     n -= len(seq.draft)
                     seq.draft = []
+                    continue
+                if self._relieve(seq, seq.num_computed_tokens - seq.num_evicted + n, scheduled):
                     continue
                 victim = self.running[-1]
                 budget += scheduled.pop(victim.seq_id, 0)

@@ -47,6 +47,9 @@ class Sequence:
     prefix_counted: bool = False  # its prefix lookup has been counted in the hit rate
     num_cached_tokens: int = 0  # prompt tokens found cached (pool or tiers) at its first admission
     eviction: EvictionState | None = None  # its eviction policy's state, if it has one
+    pressure_evicted: int = 0  # tokens the pressure ladder evicted from its cache (engine/pressure.py)
+    pressure_evictions: int = 0  # times it did
+    num_swapped_out: int = 0  # preemptions that kept its KV in an offload tier
     draft: list[int] = field(default_factory=list)  # tokens proposed for this step (speculative decoding)
     # a sampled request's draft-model proposal: row j is the distribution draft[j] was drawn from ([k, vocab]);
     # None where each proposed token is the proposer's one choice (n-gram, greedy)

@@ -23,6 +23,7 @@ from kvcache.engine.kv_events import ZmqEventPublisher
 from kvcache.engine.model_runner import ModelRunner
 from kvcache.engine.outputs import Request
 from kvcache.engine.scheduler import Scheduler
+from kvcache.engine.pressure import PressureLadder
 from kvcache.engine.sizing import (check_recurrent, kv_capacity, layer_groups_for, peak_blocks, release_window, resolve_device_dtype,
                                    slow_half_precision, why_every_block_is_kept)
 from kvcache.engine.stats import EngineStats
@@ -108,6 +109,8 @@ class EngineStartup:
             check_recurrent(config, self.shape, self.kv_dtype)
         if config.eviction.enabled:
             self._check_eviction(config.eviction)
+        if config.kv_pressure_policy == "ladder":
+            self._check_ladder()
         self.backend, why = resolve_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
                                             config.block_size)
         if config.quantization != "none" and self.device.type != "cpu":
@@ -209,6 +212,9 @@ class EngineStartup:
         self.evictor = Evictor(self.store, self.kv, self.shape.num_layers, self.model.kv_layout[0],
                                self.model.attention_scale, self.device, self._layer_group,
                                head_share(self.model.tp.shard) if self.tp else None, self.tp)
+        if config.kv_pressure_policy == "ladder":
+            self.scheduler.pressure = PressureLadder(self.evictor, self.kv, config.kv_pressure_evict,
+                                                     config.kv_pressure_max_evict)
         self.eos_token_ids = self._eos_ids(hf)
         self._sampler_eos = next(iter(self.eos_token_ids), None)  # the EOS min_tokens forbids
         self.requests: dict[str, Request] = {}
@@ -300,6 +306,16 @@ class EngineStartup:
             raise ValueError(f"kv_eviction {spec.policy} cannot be combined with kv_cache_dtype {self.kv_dtype}: it "
                              f"quantizes keys in {self._kivi_group}-token groups, so tokens cannot be dropped one "
                              "by one (use int8 or fp8)")
+
+    def _check_ladder(self) -> None:
+        """ValueError where the pressure ladder cannot evict tokens from this model's cache."""
+        why = ("its sliding-window layers' masks count positions, and eviction changes which slot holds which position"
+               if self._sliding else "an MLA latent is shared by every head" if self._mla else
+               f"kv_cache_dtype {self.kv_dtype} quantizes keys in {self._kivi_group}-token groups" if self._kivi_group
+               else "its recurrent layers' state holds every token and cannot drop one" if self.recurrent else None)
+        if why:
+            raise ValueError(f"kv_pressure_policy ladder evicts tokens under memory pressure, which this model "
+                             f"cannot: {why} (use kv_pressure_policy preempt)")
 
     def _eos_ids(self, hf) -> set[int]:
         ids: set[int] = set()

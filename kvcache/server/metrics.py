@@ -40,6 +40,7 @@ KV cache health (ours):
 | `kvcache:kv_offload_load_seconds` | histogram | seconds one step took to copy what it loaded from the tiers (and swap) into the pool |
 | `kvcache:kv_swap_{out,in,fallbacks}_total` | counter | preemptions swapped out; of those, resumed from the tier; swap preemptions recomputed instead (tier full, read failed) |
 | `kvcache:kv_swap_bytes{tier}` | gauge | bytes of swapped-out sequences a tier holds |
+| `kvcache:kv_pressure_{evictions,evicted_tokens,freed_blocks,failed}_total` | counter | the memory-pressure ladder (--kv-pressure-policy ladder): its compactions, the cache slots they emptied, the blocks they returned, and those that found no block to write into |
 | `kvcache:kv_events_published_total` | counter | KV events sent to `--kv-events-endpoint` (vLLM's BlockStored/BlockRemoved/AllBlocksCleared) |
 | `kvcache:cache_config_info{...}` | gauge (1) | labels: block_size, cache_dtype, num_gpu_blocks, bytes_per_token, residual_blocks_per_seq (vLLM's name) |
 | `kvcache:kv_evicted_tokens_total` | counter | cache slots emptied by token eviction (--kv-eviction), per request |
@@ -114,6 +115,11 @@ class ServerMetrics:
             ("out", "Preemptions that swapped the sequence's KV out to an offload tier (--preemption-mode swap)."),
             ("in", "Swapped-out sequences resumed from the tier's copy."),
             ("fallbacks", "Swap preemptions recomputed instead: the tier had no room, or a read failed."))}
+        self._pressure = {name: self._counter(f"kv_pressure_{name}", doc) for name, doc in (
+            ("evictions", "Compactions the memory-pressure ladder made (--kv-pressure-policy ladder)."),
+            ("evicted_tokens", "Cache slots the pressure ladder emptied, summed over requests."),
+            ("freed_blocks", "KV blocks the pressure ladder's compactions returned to the pool."),
+            ("failed", "Pressure-ladder compactions that found no fresh block to write into (it preempted)."))}
         self._events = self._counter("kv_events_published", "KV events published to --kv-events-endpoint.") \
             if engine.event_publisher else None
 
@@ -293,6 +299,10 @@ class ServerMetrics:
         for name, total in (("out", sched.num_swapped_out), ("in", sched.num_swapped_in),
                             ("fallbacks", sched.num_swap_fallbacks)):
             self._advance(f"swap:{name}", self._swaps[name], total)
+        ladder = sched.pressure
+        if ladder is not None:
+            for name, counter in self._pressure.items():
+                self._advance(f"pressure:{name}", counter, getattr(ladder.stats, name))
         if self._events is not None:
             self._advance("events", self._events, self.engine.event_publisher.published_events)
         self._set_pool_gauges()

@@ -100,6 +100,16 @@ def usage(finals: list[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
 
 
+def kv_degradation(finals: list[RequestOutput]) -> dict[str, int]:
+    """What the memory-pressure ladder did to these requests' caches, summed (RequestOutput.kv_degradation): tokens
+    evicted and how often, preemptions, and those that swapped the KV out to a tier."""
+    total: dict[str, int] = {}
+    for o in finals:
+        for k, v in (o.kv_degradation or {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
 def response_body(finals: dict[str, RequestOutput], ids: list[str], rid: str, kind: str, created: int, model: str,
                   n: int, shape: LogprobShape) -> dict:
     """The whole (not streamed) response: `n` choices per sub-request, in the order of `ids`."""
@@ -118,7 +128,7 @@ def response_body(finals: dict[str, RequestOutput], ids: list[str], rid: str, ki
                 choice["prompt_logprobs"] = prompt_lps
             choices.append(choice)
     body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
-            "usage": usage([finals[i] for i in ids])}
+            "usage": usage([finals[i] for i in ids]), "kv_degradation": kv_degradation([finals[i] for i in ids])}
     if kind == "chat.completion" and shape.prompt_top is not None:  # vLLM's: the response's one prompt
         body["prompt_logprobs"] = shape.prompt_logprobs(finals[ids[0]])
     return body

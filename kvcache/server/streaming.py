@@ -10,7 +10,7 @@ from kvcache.engine.llm_engine import RequestOutput
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.server.engine_loop import EngineLoop
 from kvcache.server.errors import engine_dead, engine_failed
-from kvcache.server.outputs import LogprobShape, usage
+from kvcache.server.outputs import LogprobShape, kv_degradation, usage
 
 DONE = "data: [DONE]\n\n"
 
@@ -79,7 +79,8 @@ class EventStream:
                 if item.finished:
                     self.finals[item.request_id] = item
             if self.include_usage:
-                yield self._envelope([], usage=usage([self.finals[i] for i in self.ids if i in self.finals]))
+                finals = [self.finals[i] for i in self.ids if i in self.finals]
+                yield self._envelope([], usage=usage(finals), kv_degradation=kv_degradation(finals))
             yield DONE
         finally:
             for sub_id in open_ids:

@@ -184,6 +184,8 @@ BAD = [
      ["below snapkv's minimum of 33"], "kv_budget"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_eviction": "h2o"}, 400, ["kv_budget is needed"],
      "kv_budget"),
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_pressure": "lossy"}, 400,
+     ["kv_pressure must be one of 'degrade', 'exact'"], "kv_pressure"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, ["messages"], "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, ["role"], None),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, ["messages"], "messages"),
@@ -254,3 +256,15 @@ def test_usage_counts_the_prompt_tokens_found_cached(client, offline):
         {"role": "assistant", "content": "w7"}, {"role": "user", "content": "w8"}], max_tokens=2, temperature=0)
     assert chat.usage.prompt_tokens_details.cached_tokens >= 64
     assert chat.usage.prompt_tokens_details.cached_tokens % 16 == 0
+
+
+def test_responses_say_what_the_pressure_ladder_did(client):
+    """kv_degradation (tokens evicted, evictions, preemptions, swaps) on a whole response and on a stream's usage
+    chunk; kv_pressure "exact" is accepted. This server preempts only (the ladder's own figures: tests/engine/
+    test_pressure.py and the metrics test), so every count is 0."""
+    zero = {"evicted_tokens": 0, "evictions": 0, "preemptions": 0, "swapped_out": 0}
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, extra_body={"kv_pressure": "exact"})
+    assert got.model_extra["kv_degradation"] == zero
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                                 max_tokens=3, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].model_extra["kv_degradation"] == zero

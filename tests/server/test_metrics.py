@@ -278,3 +278,21 @@ def test_swap_and_load_metrics_follow_the_engine(tiny_llama):
     assert s["kvcache:kv_swap_fallbacks_total"] == 0
     assert s["kvcache:kv_offload_load_seconds_count"] == len(loads) > 0
     assert s["kvcache:kv_swap_bytes{tier=cpu}"] == 0
+
+
+def test_pressure_ladder_metrics_follow_the_engine(tiny_llama):
+    """Under --kv-pressure-policy ladder and a pool that must give way, the ladder's counters mirror its stats, and
+    each request's kv_degradation adds up to them."""
+    engine = LLM(tiny_llama, kv_cache_memory=24 * 8 * 512, block_size=8, kv_pressure_policy="ladder",
+                 max_num_batched_tokens=48).engine
+    m = ServerMetrics(engine, MODEL)
+    for i in range(4):
+        engine.add_request(f"r{i}", prompt(60, start=3 + i), greedy(60))
+    outs = run_to_end(engine, m)
+    s, st = samples(m), engine.scheduler.pressure.stats
+    assert s["kvcache:kv_pressure_evictions_total"] == st.evictions > 0
+    assert s["kvcache:kv_pressure_evicted_tokens_total"] == st.evicted_tokens > 0
+    assert s["kvcache:kv_pressure_freed_blocks_total"] == st.freed_blocks > 0
+    assert s["kvcache:kv_pressure_failed_total"] == st.failed
+    assert s["kvcache:kv_evicted_tokens_total"] == 0  # --kv-eviction's counter is another one
+    assert sum(o.kv_degradation["evicted_tokens"] for o in outs if o.finished) == st.evicted_tokens
