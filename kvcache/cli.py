@@ -80,6 +80,12 @@ def _add_scheduler_args(p) -> None:
     p.add_argument("--kv-pressure-evict", default="knorm", choices=["knorm", "streaming"],
                    help="which tokens the ladder evicts: knorm, those with the largest key norms per KV head (Devoto "
                         "et al. 2024), or streaming, the oldest after the sinks (default: %(default)s)")
+    p.add_argument("--kv-pin-prefix", default=None,
+                   help="a prefix (a system prompt, as the text a prompt starts with) prefilled at start-up and kept in "
+                        "the prefix cache for good: its full blocks are never evicted (default: none)")
+    p.add_argument("--kv-pin-max-fraction", type=float, default=0.25,
+                   help="the share of the KV pool pinned prefixes may take; a longer one is refused (default: "
+                        "%(default)s)")
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, vLLM\'s fields: \'{"method": "ngram", "num_speculative_tokens": '
                         '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": '

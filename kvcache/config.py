@@ -82,6 +82,11 @@ class EngineConfig:
     kv_pressure_policy: str = "preempt"
     kv_pressure_max_evict: float = 0.5
     kv_pressure_evict: str = "knorm"  # which tokens the ladder evicts: knorm (largest key norms) or streaming
+    # A prefix kept in the prefix cache for good (a system prompt), prefilled at start-up: its text as a prompt
+    # starts (the tokenizer's special tokens added); its full blocks are never evicted. At most kv_pin_max_fraction
+    # of the pool may be pinned.
+    kv_pin_prefix: str | None = None
+    kv_pin_max_fraction: float = 0.25
     # KV events for routers (vLLM's format over ZeroMQ, engine/kv_events.py): tcp://*:5557 binds, tcp://host:port
     # connects to a subscriber that binds; None = none published
     kv_events_endpoint: str | None = None
@@ -202,6 +207,16 @@ class EngineConfig:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= MAX_PRESSURE_EVICT:
             raise ValueError(f"kv_pressure_max_evict (the share of a request's tokens the ladder may evict) must be "
                              f"in (0, {MAX_PRESSURE_EVICT}]; got {m!r}")
+        f = self.kv_pin_max_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= MAX_PRESSURE_EVICT:
+            raise ValueError(f"kv_pin_max_fraction (the share of the KV pool pinned prefixes may take) must be in "
+                             f"(0, {MAX_PRESSURE_EVICT}]; got {f!r}")
+        if self.kv_pin_prefix is not None:
+            if not isinstance(self.kv_pin_prefix, str) or not self.kv_pin_prefix:
+                raise ValueError(f"kv_pin_prefix must be a non-empty text; got {self.kv_pin_prefix!r}")
+            if not self.enable_prefix_caching or self.prefix_caching_algo != "hash":
+                raise ValueError("kv_pin_prefix keeps a prefix in the prefix cache: it needs prefix caching on, with "
+                                 "--prefix-caching-algo hash")
         if self.kv_pressure_evict not in PRESSURE_EVICT_RULES:
             raise ValueError(f"kv_pressure_evict must be one of {', '.join(PRESSURE_EVICT_RULES)}; got "
                              f"{self.kv_pressure_evict!r}")

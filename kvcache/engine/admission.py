@@ -61,6 +61,8 @@ class RequestAdmission:
         req = Request(request_id, text, ids, params, [], RequestMetrics(time.monotonic()), stream, cache_salt)
         req.seqs.append(self._new_seq(req, 0, max_tokens))
         req.seqs[0].eviction = state
+        if params.kv_retention is not None:
+            self.kv.set_retention(req.seqs[0].seq_id, params.kv_retention["priority"], params.kv_retention["ttl_s"])
         self.requests[request_id] = req
         self.stats.prompt_tokens += len(ids)
         self.scheduler.add(req.seqs[0])

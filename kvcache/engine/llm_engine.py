@@ -360,6 +360,7 @@ class LLMEngine(EngineStartup, RequestAdmission, SamplingStep):
             "evicted_tokens": self.evictor.stats.evicted_tokens, "eviction_freed_blocks": self.evictor.stats.freed_blocks,
             "eviction_compactions": self.evictor.stats.compactions,
             "kv_pressure_policy": self.config.kv_pressure_policy, **self._pressure_info(),
+            "pinned_blocks": len(kv.pool.pinned),
             "prefill_tokens_computed": self.stats.prefill_tokens_computed,
             "speculative_config": vars(self.spec) if self.spec else None,
             "spec_decode_num_drafts": self.stats.spec_drafts,
@@ -408,8 +409,8 @@ class LLMEngine(EngineStartup, RequestAdmission, SamplingStep):
         if self.drafter is not None:
             self.drafter.check_no_leaks()
         kv, pool = self.kv, self.kv.pool
-        tree = kv.radix.num_blocks if kv.radix else 0
+        tree = (kv.radix.num_blocks if kv.radix else 0) + len(pool.pinned)  # pinned blocks are held for good
         held = sum(pool.ref_counts)
-        if kv.block_tables or held != tree or kv.num_free_blocks != pool.num_usable:
+        if kv.block_tables or held != tree or kv.num_free_blocks + len(pool.pinned) != pool.num_usable:
             raise AssertionError(f"{held - tree} block references still held with no request running "
                                  f"({len(kv.block_tables)} block tables, {tree} blocks in the radix tree)")

@@ -12,6 +12,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64  # each is searched for after every token
 MAX_STOP_TOKEN_IDS = 1024  # each is looked up after every token
+DEFAULT_RETENTION_PRIORITY = 35  # memory/block_pool.py's DEFAULT_PRIORITY (TensorRT-LLM's default)
 KV_PRESSURE = ("degrade", "exact")  # what the pressure ladder may do to a request's cache (engine/pressure.py)
 # Sample i of a request is seeded with seed + i, which must fit torch's 64-bit generator seed.
 MIN_SEED, MAX_SEED = -2**63, 2**64 - 1 - MAX_N
@@ -47,6 +48,9 @@ class SamplingParams:
     kv_pressure: "degrade" (default) lets the engine's pressure ladder (--kv-pressure-policy ladder) evict tokens of
         this request's cache when the pool runs dry; "exact" never does: the request is only ever preempted, so its
         output is the unconstrained one's.
+    kv_retention: {"priority": 0..100, "ttl_s": seconds or None} for the prefix-cache blocks this request leaves
+        behind: evicted lowest priority first, then least recently used (the default priority is 35, TensorRT-LLM's);
+        past ttl_s their priority is 0. None: the default.
     """
 
     n: int = 1
@@ -67,6 +71,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     kv_pressure: str = "degrade"
+    kv_retention: dict | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -109,6 +114,7 @@ class SamplingParams:
             _check("prompt_logprobs", self.prompt_logprobs, 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                    f"in [0, {MAX_LOGPROBS}] or None")
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.kv_retention = _retention(self.kv_retention)
         if self.kv_pressure not in KV_PRESSURE:
             raise ValueError(f"kv_pressure must be one of {', '.join(map(repr, KV_PRESSURE))}, got "
                              f"{describe(self.kv_pressure)}")
@@ -117,6 +123,21 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether the next token is the argmax (temperature 0, or too small to divide by)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _retention(value: object) -> dict | None:
+    """kv_retention as {"priority": int, "ttl_s": float | None}; ValueError naming the field that is bad."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"priority", "ttl_s"}:
+        raise ValueError(f"kv_retention must be an object with priority (0..100) and ttl_s (seconds), got "
+                         f"{describe(value)}")
+    priority, ttl = value.get("priority", DEFAULT_RETENTION_PRIORITY), value.get("ttl_s")
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) or not 0 <= priority <= 100:
+        raise ValueError(f"kv_retention.priority must be an int in [0, 100], got {describe(priority)}")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, numbers.Real) or not 0 < ttl < 10**9):
+        raise ValueError(f"kv_retention.ttl_s must be a positive number of seconds or null, got {describe(ttl)}")
+    return {"priority": int(priority), "ttl_s": None if ttl is None else float(ttl)}
 
 
 def _check(name: str, value: object, ok: bool, allowed: str) -> None:

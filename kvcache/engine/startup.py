@@ -24,6 +24,7 @@ from kvcache.engine.model_runner import ModelRunner
 from kvcache.engine.outputs import Request
 from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.pressure import PressureLadder
+from kvcache.engine.sampling_params import SamplingParams
 from kvcache.engine.sizing import (check_recurrent, kv_capacity, layer_groups_for, peak_blocks, release_window, resolve_device_dtype,
                                    slow_half_precision, why_every_block_is_kept)
 from kvcache.engine.stats import EngineStats
@@ -61,6 +62,7 @@ class EngineStartup:
         self._log_layout(config)
         self._prepare_steps(config, loaded.config)
         self._log_start(config, why)
+        self._pin_prefix(config)
         if self.device.type == "cpu":  # a step's activations reuse freed heap instead of fresh pages
             host_memory.keep_freed_host_memory()
 
@@ -306,6 +308,34 @@ class EngineStartup:
             raise ValueError(f"kv_eviction {spec.policy} cannot be combined with kv_cache_dtype {self.kv_dtype}: it "
                              f"quantizes keys in {self._kivi_group}-token groups, so tokens cannot be dropped one "
                              "by one (use int8 or fp8)")
+
+    def _pin_prefix(self, config: EngineConfig) -> None:
+        """--kv-pin-prefix: prefill it (a request for one token), then pin its full blocks in the pool (never
+        evicted); refused, with the numbers, when it fills no block or takes more than kv_pin_max_fraction of it."""
+        self.pinned_blocks = 0
+        text = config.kv_pin_prefix
+        if text is None:
+            return
+        if self.recurrent:
+            raise ValueError("kv_pin_prefix is not supported on models with recurrent layers: their state snapshots "
+                             "are kept in slots of their own")
+        ids, bs = self.tokenize(text), config.block_size
+        usable, share = self.kv.pool.num_usable, config.kv_pin_max_fraction
+        blocks = len(ids) // bs
+        if blocks == 0:
+            raise ValueError(f"kv_pin_prefix is {len(ids):,} tokens, less than one block of {bs}: nothing to pin")
+        if blocks > share * usable:
+            raise ValueError(f"kv_pin_prefix takes {blocks:,} blocks ({len(ids):,} tokens), above "
+                             f"kv_pin_max_fraction {share:g} of the pool's {usable:,} blocks ({int(share * usable):,})")
+        self.add_request("kv-pin-prefix", ids, SamplingParams(max_tokens=1, temperature=0.0))
+        self.run_to_completion()
+        probe = next(self._seq_ids)
+        found = self.kv.find_prefix(probe, ids + [ids[-1]])
+        self.kv.free(probe)
+        self.kv.pool.pin(found)
+        self.pinned_blocks = len(found)
+        log.info("pinned prefix: %d tokens in %d blocks of %d, never evicted (%.1f%% of the pool)", len(found) * bs,
+                 len(found), bs, 100 * len(found) / usable)
 
     def _check_ladder(self) -> None:
         """ValueError where the pressure ladder cannot evict tokens from this model's cache."""

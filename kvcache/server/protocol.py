@@ -82,6 +82,8 @@ class _Sampling(BaseModel):
     kv_budget: int | float | str | None = None
     # whether the pressure ladder may evict this request's tokens ("degrade") or never ("exact")
     kv_pressure: str = "degrade"
+    # the prefix-cache blocks it leaves behind: {"priority": 0..100, "ttl_s": seconds} (SamplingParams.kv_retention)
+    kv_retention: dict | None = None
 
     def eviction(self, default: EvictionSpec) -> EvictionSpec | None:
         """The request's eviction (None: the server's); APIError naming the field if it is bad."""
@@ -115,7 +117,8 @@ class _Sampling(BaseModel):
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, kv_pressure=self.kv_pressure)
+            prompt_logprobs=prompt_logprobs, kv_pressure=self.kv_pressure,
+            kv_retention=self.kv_retention)
 
     @property
     def include_usage(self) -> bool:

@@ -186,6 +186,10 @@ BAD = [
      "kv_budget"),
     ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_pressure": "lossy"}, 400,
      ["kv_pressure must be one of 'degrade', 'exact'"], "kv_pressure"),
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_retention": {"priority": 101}}, 400,
+     ["kv_retention.priority must be an int in [0, 100], got 101"], "kv_retention"),
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "kv_retention": {"ttl_s": -1}}, 400,
+     ["kv_retention.ttl_s must be a positive number"], "kv_retention"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, ["messages"], "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, ["role"], None),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, ["messages"], "messages"),
@@ -263,7 +267,8 @@ def test_responses_say_what_the_pressure_ladder_did(client):
     chunk; kv_pressure "exact" is accepted. This server preempts only (the ladder's own figures: tests/engine/
     test_pressure.py and the metrics test), so every count is 0."""
     zero = {"evicted_tokens": 0, "evictions": 0, "preemptions": 0, "swapped_out": 0}
-    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, extra_body={"kv_pressure": "exact"})
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, extra_body={
+        "kv_pressure": "exact", "kv_retention": {"priority": 80, "ttl_s": 60}})
     assert got.model_extra["kv_degradation"] == zero
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
                                                  max_tokens=3, stream=True, stream_options={"include_usage": True}))
