@@ -163,6 +163,8 @@ def snapshot(cur: dict[str, float], prev: dict[str, float] | None = None, dt_s: 
         "tiers": _tiers(get, delta if window else None),
         "offload_loaded_blocks": get("kv_offload_loaded_blocks_total"),
         "offload_load_mean_s": mean("kv_offload_load_seconds"),
+        "pressure_evicted_tokens": get("kv_pressure_evicted_tokens_total"),
+        "pressure_evicted_delta": delta("kv_pressure_evicted_tokens_total") if window else None,
         "spec_drafts": get("spec_decode_num_drafts_total"),
         "spec_draft_tokens": get("spec_decode_num_draft_tokens_total"),
         "spec_accepted_tokens": get("spec_decode_num_accepted_tokens_total"),
@@ -206,6 +208,15 @@ def warnings_for(snapshot: dict) -> list[str]:
         out.append(f"running sequences average {seq:,.0f} tokens (above {t['seq_len_mean']:,}): long contexts "
                    "dominate the cache. Cap them with --max-model-len, evict tokens with --kv-eviction, or "
                    "quantize with --kv-cache-dtype.")
+    evicted = snapshot.get("pressure_evicted_delta")
+    if evicted is None and snapshot.get("window_s") is None:  # a single scrape: since start-up
+        evicted = snapshot.get("pressure_evicted_tokens")
+    if evicted:
+        out.append(f"the memory-pressure ladder evicted {evicted:,.0f} cached tokens of running requests "
+                   f"{'in this window' if snapshot.get('window_s') else 'since start-up'}: the pool is too small for "
+                   "the load, and those requests' outputs are degraded (each response's kv_degradation says how "
+                   "much). Raise --kv-cache-memory, lower --max-num-seqs, or send kv_pressure \"exact\" for requests "
+                   "that must not degrade.")
     hit, queries = snapshot.get("prefix_hit_rate"), snapshot.get("prefix_queries")
     if hit is not None and queries and hit < t["prefix_hit_rate"]:
         out.append(f"prefix cache hit rate {hit:.1%} is below {t['prefix_hit_rate']:.0%}: prompts share no "

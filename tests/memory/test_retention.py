@@ -119,6 +119,10 @@ def test_a_pinned_prefix_survives_ten_churns_of_the_pool_with_every_lookup_a_hit
         churned += 150 // 16 + 1
         requests += 1
     assert eng.kv.pool.num_evictions > 5 * usable  # the rest of the pool turned over
+    before = eng.kv.stats.hits
+    eng.add_request("salted", ids + _tokens(20, 99), SamplingParams(max_tokens=1), cache_salt="tenant-b")
+    eng.run_to_completion()
+    assert eng.kv.stats.hits == before  # cache_salt isolation holds: the pin is the unsalted prefix's
     assert eng.reset_prefix_cache() >= 0 and eng.kv_cache_info()["pinned_blocks"] == pinned
     eng.check_no_leaks()
 

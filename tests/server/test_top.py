@@ -183,3 +183,12 @@ def test_a_server_without_kvcache_metrics_is_an_error():
     with _Serve(lambda: b"# TYPE other gauge\nother 1\n", "text/plain") as srv:
         with pytest.raises(ValueError, match="no kvcache"):
             run(args_for(srv.url))
+
+
+def test_the_pressure_ladder_evicting_is_warned_about():
+    warns = warnings_for({**HEALTHY, "pressure_evicted_tokens": 900.0, "pressure_evicted_delta": 120.0})
+    assert len(warns) == 1 and "evicted 120 cached tokens" in warns[0] and "in this window" in warns[0]
+    assert "kv_pressure" in warns[0] and "--kv-cache-memory" in warns[0]
+    assert warnings_for({**HEALTHY, "pressure_evicted_tokens": 900.0, "pressure_evicted_delta": 0.0}) == []
+    once = warnings_for({**HEALTHY, "window_s": None, "pressure_evicted_tokens": 900.0})
+    assert len(once) == 1 and "since start-up" in once[0]
