@@ -181,15 +181,19 @@ def test_the_rules_keep_the_sinks_and_the_recent_window():
 
 
 def test_with_a_swap_tier_the_ladder_offloads_first(tiny_llama, reference):
+    """A sequence that cannot grow gets its victim swapped out (no quality lost) while the tier has room, and
+    nothing is evicted; swapped requests get the reference's tokens. With a tier too small, the ladder evicts."""
     roomy = _engine(tiny_llama, kv_pressure_policy="ladder", preemption_mode="swap", kv_offload_memory="64MiB")
     out = _run(roomy)
-    assert roomy.scheduler.num_swapped_out > 0 and roomy.scheduler.pressure.stats.evictions == 0
+    sched = roomy.scheduler
+    assert sched.num_swapped_out > 0 and sched.num_swap_fallbacks == 0 and sched.pressure.stats.evictions == 0
+    assert sched.num_preemptions == sched.num_swapped_out  # every preemption was a swap
+    assert sum(o.kv_degradation["swapped_out"] for o in out.values()) == sched.num_swapped_out
     assert {k: o.outputs[0].token_ids for k, o in out.items()} == \
         {k: o.outputs[0].token_ids for k, o in reference.items()}  # swapping loses nothing
-    assert sum(o.kv_degradation["swapped_out"] for o in out.values()) == roomy.scheduler.num_swapped_out
     cramped = _engine(tiny_llama, kv_pressure_policy="ladder", preemption_mode="swap", kv_offload_memory="16KiB")
     _run(cramped)  # a tier that holds no sequence: the ladder evicts instead
-    assert cramped.scheduler.pressure.stats.evictions > 0
+    assert cramped.scheduler.pressure.stats.evictions > 0 and cramped.scheduler.num_swapped_out == 0
 
 
 @pytest.mark.parametrize("field,value,match", [
