@@ -40,8 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="windows of the shipped prose corpus, or uniformly random token ids (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="tokens per engine step (default: %(default)s)")
-    p.add_argument("--json", default="results/pressure.json", help="write the results here ('' to skip)")
-    p.add_argument("--plot", default="results/pressure.png", help="plot here ('' to skip)")
+    p.add_argument("--json", default="results/pressure.json",
+                   help="write the results here (default: %(default)s; '' to skip)")
+    p.add_argument("--plot", default="results/pressure.png", help="plot here (default: %(default)s; '' to skip)")
 
 
 def prompts(tokenizer, count: int, length: int) -> list[list[int]]:
