@@ -54,6 +54,7 @@ class EvictionState:
     queries: list[list[torch.Tensor]] = field(default_factory=list)  # per layer: captured queries [r, H, D]
     query_slots: list[torch.Tensor] = field(default_factory=list)  # slots of those queries, one tensor per capture
     layer_start: list[int] | None = None  # first live slot per layer (block-aligned) when layers keep different counts
+    fixed: int = 0  # leading slots a compaction keeps in place (the pressure ladder: blocks shared with others)
     pending: bool = False  # a compaction is due but waited for a free block
     epoch: int = 0  # resets so far (a tensor-parallel worker resets its copy when it sees a new one)
 

@@ -6,6 +6,10 @@ alone, and both keep the attention sinks and the recent window.
   P. Minervini, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", EMNLP 2024
   (arXiv:2406.11430): keys with a low norm draw high attention. kvpress's KnormPress scores the same way.
 - streaming: the oldest tokens after the sinks go (StreamingLLM's selection, compress/streaming.py).
+
+Leading blocks the sequence shares with others (a common system prompt, a pinned prefix) are kept whole and in
+place (EvictionState.fixed): a compaction never writes a shared block, so evicting from them would take a fresh
+block for each, which a full pool does not have.
 """
 from __future__ import annotations
 
@@ -31,21 +35,22 @@ class PressureEviction(EvictionPolicy):
         self.per_head = rule == "knorm"
 
     @staticmethod
-    def kept_always(n: int) -> int:
-        """Slots of `n` that no rule evicts: the sinks and the recent window."""
-        return min(n, SINK_TOKENS + RECENT_TOKENS)
+    def kept_always(n: int, fixed: int = 0) -> int:
+        """Slots of `n` that no rule evicts: the sinks (or the `fixed` leading slots, in blocks shared with other
+        sequences, if more) and the recent window."""
+        return min(n, max(SINK_TOKENS, fixed) + RECENT_TOKENS)
 
     def select(self, state: EvictionState, n: int, counts: list[int], keys: KeysFn, scale: float) -> list[torch.Tensor]:
-        keep = counts[0]
-        if keep < self.kept_always(n):
-            raise ValueError(f"the ladder keeps at least the {SINK_TOKENS} sinks and {RECENT_TOKENS} recent tokens; "
+        keep, head = counts[0], max(SINK_TOKENS, state.fixed)
+        if keep < self.kept_always(n, state.fixed):
+            raise ValueError(f"the ladder keeps at least the {head} leading and {RECENT_TOKENS} recent tokens; "
                              f"asked to keep {keep} of {n}")
         if self.rule == "streaming":
-            slots = torch.cat([torch.arange(SINK_TOKENS), torch.arange(n - (keep - SINK_TOKENS), n)])
+            slots = torch.cat([torch.arange(head), torch.arange(n - (keep - head), n)])
             return shared(slots, state.num_kv_heads, state.num_layers)
         out = []
         for layer in range(state.num_layers):
             score = -keys(layer, n).float().norm(dim=-1).t()  # [kv_heads, n]: low norm first
-            score[:, :SINK_TOKENS] = float("inf")
+            score[:, :head] = float("inf")
             out.append(top_slots(score, keep, keep_from=n - RECENT_TOKENS))
         return out

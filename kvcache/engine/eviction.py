@@ -196,7 +196,7 @@ class Evictor:
         """Compact `seq_id`'s `n` cached slots to the `top` its state's policy selects, now, between steps (the
         pressure ladder: engine/pressure.py; one table, one process). False, and nothing changed, where the table
         cannot take the fresh blocks the compaction needs."""
-        res = self.kv.compact(seq_id, top)
+        res = self.kv.compact(seq_id, top, fixed_blocks=state.fixed // self.store.block_size)
         if res is None:
             return False
         old, new = list(res[0]), list(res[1])  # counted by the ladder (PressureStats), not in self.stats

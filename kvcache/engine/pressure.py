@@ -64,10 +64,17 @@ class PressureLadder:
         have = blocks_for(n, bs)
         want = max(blocks, math.ceil(have * EVICT_SHARE))
         allowed = int(self.max_evict * seq.num_tokens) - seq.pressure_evicted  # tokens it may still lose
-        floor = max(self.policy.kept_always(n), n - allowed)
+        floor = max(self.policy.kept_always(n, self.shared_slots(seq)), n - allowed)
         keep = max((have - want) * bs, floor)
         keep = -(-keep // bs) * bs if keep < n else n  # whole blocks: what it keeps fills them
         return min(keep, n) if blocks_for(keep, bs) < have else n
+
+    def shared_slots(self, seq) -> int:
+        """Slots in the leading blocks of `seq` that other holders share (a common prefix, a pin): kept in place."""
+        refs, bs = self.kv.pool.ref_counts, self.kv.block_size
+        table = self.kv.block_tables.get(seq.seq_id, [])
+        n = next((i for i, b in enumerate(table) if refs[b] <= 1), len(table))
+        return min(n * bs, seq.num_computed_tokens - seq.num_evicted)
 
     def evict(self, running: list, skip: set[int], blocks: int) -> bool:
         """Free at least one block by compacting the longest eligible sequence of `running` not in `skip` (those
@@ -86,6 +93,7 @@ class PressureLadder:
             state = EvictionState(self.policy, keep, seq.num_computed_tokens, ev.num_layers, ev.num_kv_heads,
                                   share=ev.share)
         n = seq.num_computed_tokens - state.num_evicted
+        state.fixed = self.shared_slots(seq) // self.kv.block_size * self.kv.block_size  # whole blocks
         before = self.kv.num_free_blocks
         if not self.evictor.compact_now(seq.seq_id, state, n, keep):
             self.stats.failed += 1

@@ -9,7 +9,8 @@ from kvcache.memory.block_pool import blocks_for
 class TableCompaction:
     """KVCacheManager's compaction operations (eviction: engine/eviction.py)."""
 
-    def compact(self, seq_id: int, num_tokens: int, freed: list[int] | None = None) -> tuple[list[int], list[int]] | None:
+    def compact(self, seq_id: int, num_tokens: int, freed: list[int] | None = None,
+                fixed_blocks: int = 0) -> tuple[list[int], list[int]] | None:
         """Shrink the table of `seq_id` to `num_tokens` tokens for eviction's compaction.
 
         Returns (old table, new table): the caller moves the surviving tokens from slots of the old
@@ -21,6 +22,8 @@ class TableCompaction:
         Afterwards the sequence's blocks no longer match its tokens, so none of them is cached again.
         With `freed`, the old blocks it lets go are appended there for the caller to free (after other tables that
         share the pool have taken their fresh blocks: those must not be blocks whose survivors are still to move).
+        The first `fixed_blocks` keep their tokens in place (the caller moves none into or out of them): they stay
+        in the table, shared or cached as they are, and take no fresh block.
         """
         table = self.block_tables[seq_id]
         n = blocks_for(num_tokens, self.block_size)
@@ -29,7 +32,7 @@ class TableCompaction:
         if self._released.get(seq_id):
             raise ValueError(f"cannot compact sequence {seq_id}: its leading blocks were given back")
         pool = self.pool
-        own = self._own(table[:n])
+        own = [True] * min(fixed_blocks, n) + self._own(table[min(fixed_blocks, n):n])
         short = own.count(False) - self.num_free_blocks
         if short > 0 and not self.radix:
             cached_own = [i for i in range(n) if not own[i] and pool.ref_counts[table[i]] == 1]

@@ -175,7 +175,7 @@ def test_the_rules_keep_the_sinks_and_the_recent_window():
                     assert set(range(SINK_TOKENS, 34)) <= set(row)  # the smallest norms stay
                 else:
                     assert row == list(range(SINK_TOKENS)) + list(range(n - keep + SINK_TOKENS, n))
-    with pytest.raises(ValueError, match="at least the 4 sinks and 64 recent"):
+    with pytest.raises(ValueError, match="at least the 4 leading and 64 recent"):
         PressureEviction("knorm").select(EvictionState(PressureEviction("knorm"), 10, n, 1, kvh), n, [10],
                                          lambda layer, m: keys[:m], 1.0)
 
@@ -222,3 +222,40 @@ def test_the_ladder_is_refused_where_tokens_cannot_be_evicted(tmp_path):
         path = make_tiny_model(str(tmp_path / arch), arch)
         with pytest.raises(ValueError, match=f"kv_pressure_policy ladder .* cannot: .*{why}"):
             LLMEngine(EngineConfig(model=path, kv_cache_memory="4MiB", kv_pressure_policy="ladder"))
+
+
+def test_sequences_sharing_a_prefix_are_compacted_around_it(tiny_llama, monkeypatch):
+    """Requests that share their first 64 tokens (4 blocks held by all of them) are compacted without a fresh block:
+    the shared blocks stay in place, kept whole, and unchanged, so a request with that prefix afterwards finds
+    them cached and gets the unconstrained output."""
+    kept = []
+    select = PressureEviction.select
+
+    def recording(self, state, n, counts, keys, scale):
+        out = select(self, state, n, counts, keys, scale)
+        kept.append((state.fixed, out))
+        return out
+    monkeypatch.setattr(PressureEviction, "select", recording)
+    common = _tokens(64, 100)
+    prompts = [common + _tokens(PROMPT - 64, i) for i in range(6)]
+
+    def run(eng):
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True))
+        eng.run_to_completion()
+        eng.add_request("after", common + _tokens(40, 77), SamplingParams(max_tokens=30, temperature=0.0,
+                                                                          ignore_eos=True))
+        hits = eng.kv.stats.hits
+        out = eng.run_to_completion()["after"].outputs[0].token_ids
+        eng.check_no_leaks()
+        return out, eng.kv.stats.hits - hits
+    eng = _engine(tiny_llama, kv_pressure_policy="ladder")
+    after, hits = run(eng)
+    st = eng.scheduler.pressure.stats
+    assert st.evictions > 0 and st.failed == 0
+    assert kept and all(fixed == 64 for fixed, _ in kept)
+    for _, slots in kept:
+        for layer in slots:
+            assert (layer[:, :64] == torch.arange(64)).all()  # the shared blocks' tokens, in place
+    ref_after, _ = run(_engine(tiny_llama, kv_cache_memory="8MiB"))
+    assert hits == 64 and after == ref_after
