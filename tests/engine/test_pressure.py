@@ -259,3 +259,20 @@ def test_sequences_sharing_a_prefix_are_compacted_around_it(tiny_llama, monkeypa
             assert (layer[:, :64] == torch.arange(64)).all()  # the shared blocks' tokens, in place
     ref_after, _ = run(_engine(tiny_llama, kv_cache_memory="8MiB"))
     assert hits == 64 and after == ref_after
+
+
+def test_a_tier_that_fails_mid_ladder_is_skipped_and_counted(tiny_llama, tmp_path, monkeypatch):
+    """A disk tier whose writes fail (a full disk) cannot take the swap: the ladder evicts instead, the tier counts
+    the errors, every request completes, and no block is lost."""
+    import errno
+    import tempfile
+    eng = _engine(tiny_llama, kv_pressure_policy="ladder", preemption_mode="swap", kv_offload_dir=str(tmp_path))
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(tempfile, "mkstemp", full)
+    out = _run(eng)  # checks no block is held afterwards
+    tier = eng.offload.swap_tier
+    assert tier.stats.errors.get("disk_full", 0) > 0 and eng.scheduler.num_swapped_out == 0
+    assert eng.scheduler.pressure.stats.evictions > 0
+    assert all(len(o.outputs[0].token_ids) == OUTPUT for o in out.values())
