@@ -186,6 +186,7 @@ def _plot(results: dict, path: str) -> None:
     for name, r in results["runs"].items():
         ax.scatter(1 - r["top1"], r["output_tokens_per_s"], s=40)
         ax.annotate(name, (1 - r["top1"], r["output_tokens_per_s"]), textcoords="offset points", xytext=(5, 4))
+    ax.margins(x=0.25, y=0.1)  # room for the labels
     ax.set_xlabel("quality cost: 1 - top-1 agreement with the unconstrained run")
     ax.set_ylabel("output tokens/s")
     ax.grid(True, alpha=0.3)
