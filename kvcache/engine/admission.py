@@ -38,6 +38,8 @@ class RequestAdmission:
                                        or len(cache_salt) > MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters; "
                              f"got {type(cache_salt).__name__} of length {len(cache_salt) if isinstance(cache_salt, str) else '-'}")
+        if params.kv_retention is not None:
+            self.kv.check_retention()
         text, ids = self._prompt_ids(prompt, add_special_tokens)
         max_tokens = self._check_lengths(len(ids), params)
         spec = eviction if eviction is not None else self.config.eviction
@@ -61,8 +63,6 @@ class RequestAdmission:
         req = Request(request_id, text, ids, params, [], RequestMetrics(time.monotonic()), stream, cache_salt)
         req.seqs.append(self._new_seq(req, 0, max_tokens))
         req.seqs[0].eviction = state
-        if params.kv_retention is not None:
-            self.kv.set_retention(req.seqs[0].seq_id, params.kv_retention["priority"], params.kv_retention["ttl_s"])
         self.requests[request_id] = req
         self.stats.prompt_tokens += len(ids)
         self.scheduler.add(req.seqs[0])

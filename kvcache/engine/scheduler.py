@@ -99,7 +99,8 @@ class Scheduler:
         self.running.append(seq)
 
     def finish(self, seq: Sequence, reason: str, release: Callable[[int], object] | None = None) -> None:
-        """Remove `seq` from the queues and return its blocks (through `release` if given, else kv.free)."""
+        """Remove `seq` from the queues and return its blocks (through `release` if given, else kv.free after its
+        retention)."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -111,7 +112,18 @@ class Scheduler:
         self._found.pop(seq.seq_id, None)
         if self._swapped.pop(seq.seq_id, None) is not None:
             self.offload.swap_discard(seq.seq_id)
-        (release or self.kv.free)(seq.seq_id)
+        if release is None:
+            self._free(seq)
+        else:
+            release(seq.seq_id)
+
+    def _free(self, seq: Sequence) -> None:
+        """Return `seq`'s blocks, its cached ones first given the retention its request asked for (kv_retention),
+        whether it finished or is preempted (they may serve it again when it resumes)."""
+        retention = seq.params.kv_retention
+        if retention is not None:
+            self.kv.retain(seq.seq_id, retention["priority"], retention["ttl_s"])
+        self.kv.free(seq.seq_id)
 
     def _offloaded(self, seq: Sequence, start: int) -> list[bytes]:
         """Payloads of the blocks after the pool's `start` cached ones that the offload tiers hold (remembered
@@ -136,7 +148,7 @@ class Scheduler:
         seq.draft = []
         if self.swap and seq.seq_id not in self._swapped and not self._swap_out(seq):
             self.num_swap_fallbacks += 1
-        self.kv.free(seq.seq_id)
+        self._free(seq)
         if seq.seq_id not in self._swapped:
             self._restart(seq)
         seq.num_computed_tokens = 0  # while it waits; a swapped one gets its count back on resuming

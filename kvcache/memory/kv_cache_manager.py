@@ -93,7 +93,6 @@ class KVCacheManager(TableCompaction):
         self.stats = PrefixCacheStats()
         self._seqs: dict[int, _SeqCache] = {}
         self._compacted: set[int] = set()  # sequences whose blocks no longer match their tokens (eviction)
-        self._retention: dict[int, tuple[int, float | None]] = {}  # seq_id -> its blocks' retention when freed
         self._released: dict[int, int] = {}  # seq_id -> leading table entries given back (release_leading)
         # Sequences whose table was rewritten other than by appending (a dedup swap, a compaction, a free) since the
         # last take_changed(): the device copy of their tables (device_tables.py) is written again in full.
@@ -406,8 +405,6 @@ class KVCacheManager(TableCompaction):
         nothing) if too few blocks are free for the copies.
         """
         parent = self.block_tables[parent_id]
-        if parent_id in self._retention:
-            self._retention[child_id] = self._retention[parent_id]
         if child_id in self.block_tables:
             raise ValueError(f"sequence {child_id} already has a block table")
         if blocks_for(num_tokens, self.block_size) > len(parent):
@@ -457,21 +454,24 @@ class KVCacheManager(TableCompaction):
         self.free(seq_id)
         return alone
 
-    def set_retention(self, seq_id: int, priority: int, ttl_s: float | None) -> None:
-        """The retention (block_pool.BlockPool.retain) the cached blocks of `seq_id` get when it frees them."""
-        if self.radix is not None or self.prefix_caching is None:
+    def check_retention(self) -> None:
+        """ValueError where blocks cannot carry a retention priority (block_pool.BlockPool.retain)."""
+        if self.radix is not None:
             raise ValueError("kv_retention needs prefix caching with --prefix-caching-algo hash (the radix tree "
-                             "evicts by its own LRU)" if self.radix is not None else
-                             "kv_retention needs prefix caching: nothing is kept after a request without it")
-        self._retention[seq_id] = (priority, ttl_s)
+                             "evicts by its own LRU)")
+        if self.prefix_caching is None:
+            raise ValueError("kv_retention needs prefix caching: nothing is kept after a request without it")
+
+    def retain(self, seq_id: int, priority: int, ttl_s: float | None) -> None:
+        """Give the cached blocks `seq_id` holds retention `priority` for `ttl_s` seconds (BlockPool.retain), before
+        it frees them."""
+        table = self.block_tables.get(seq_id)
+        if table:
+            self.pool.retain(table, priority, ttl_s)
 
     def free(self, seq_id: int) -> None:
-        """Release every block of `seq_id` (no-op if it holds none); cached blocks stay findable, with the retention
-        set for it."""
+        """Release every block of `seq_id` (no-op if it holds none); cached blocks stay findable."""
         table = self.block_tables.pop(seq_id, None)
-        retention = self._retention.pop(seq_id, None)
-        if table and retention is not None:
-            self.pool.retain(table, *retention)
         entry = self._seqs.pop(seq_id, None)
         self._compacted.discard(seq_id)
         if table is not None:

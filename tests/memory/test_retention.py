@@ -103,6 +103,27 @@ def test_requests_retain_their_prefixes_by_priority(tiny_llama):
     eng.check_no_leaks()
 
 
+def test_a_preempted_request_keeps_its_retention(tiny_llama):
+    """A request preempted on its way (its blocks freed, to be recomputed) still gives the priority it asked for to
+    the blocks it caches after it resumes: its prompt's 10 and the 2 its output fills."""
+    eng = _engine(tiny_llama)
+    keep = _tokens(161, 1)
+    eng.add_request("keep", keep, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                 kv_retention={"priority": 90}))
+    seq = eng.requests["keep"].seqs[0]
+    while seq.num_computed_tokens < len(keep):
+        eng.step()
+    eng.scheduler._preempt(seq)
+    whole = eng.run_to_completion()["keep"]
+    assert seq.num_preemptions == 1
+    for i in range(3):  # 30 blocks of the default priority through a pool of 40
+        _generate(eng, f"churn{i}", _tokens(161, 10 + i))
+    probe = next(eng._seq_ids)
+    assert len(eng.kv.find_prefix(probe, keep + whole.outputs[0].token_ids + [5])) == 12
+    eng.kv.free(probe)
+    eng.check_no_leaks()
+
+
 def test_a_pinned_prefix_survives_ten_churns_of_the_pool_with_every_lookup_a_hit(tiny_llama):
     system = " ".join(f"w{i}" for i in range(40, 140))  # the tiny tokenizer: one token a word
     eng = _engine(tiny_llama, kv_pin_prefix=system)
@@ -138,7 +159,7 @@ def test_bad_retention_and_pins_are_refused(tiny_llama):
     radix = _engine(tiny_llama, prefix_caching_algo="radix")
     with pytest.raises(ValueError, match="kv_retention needs prefix caching with --prefix-caching-algo hash"):
         radix.add_request("r", [5, 6, 7], SamplingParams(kv_retention={"priority": 50}))
-    assert not radix.requests and not radix.kv._retention  # nothing changed
+    assert not radix.requests and not radix.kv.block_tables  # nothing changed
     with pytest.raises(ValueError, match="kv_pin_prefix keeps a prefix in the prefix cache"):
         EngineConfig(kv_pin_prefix="w1 w2", enable_prefix_caching=False)
     with pytest.raises(ValueError, match=r"kv_pin_max_fraction .* must be in \(0, 0.9\]; got 0"):
