@@ -203,14 +203,8 @@ class EngineConfig:
         if self.kv_pressure_policy not in PRESSURE_POLICIES:
             raise ValueError(f"kv_pressure_policy must be one of {', '.join(PRESSURE_POLICIES)}; got "
                              f"{self.kv_pressure_policy!r}")
-        m = self.kv_pressure_max_evict
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= MAX_PRESSURE_EVICT:
-            raise ValueError(f"kv_pressure_max_evict (the share of a request's tokens the ladder may evict) must be "
-                             f"in (0, {MAX_PRESSURE_EVICT}]; got {m!r}")
-        f = self.kv_pin_max_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= MAX_PRESSURE_EVICT:
-            raise ValueError(f"kv_pin_max_fraction (the share of the KV pool pinned prefixes may take) must be in "
-                             f"(0, {MAX_PRESSURE_EVICT}]; got {f!r}")
+        self._check_share("kv_pressure_max_evict", "the share of a request's tokens the ladder may evict")
+        self._check_share("kv_pin_max_fraction", "the share of the KV pool pinned prefixes may take")
         if self.kv_pin_prefix is not None:
             if not isinstance(self.kv_pin_prefix, str) or not self.kv_pin_prefix:
                 raise ValueError(f"kv_pin_prefix must be a non-empty text; got {self.kv_pin_prefix!r}")
@@ -220,6 +214,12 @@ class EngineConfig:
         if self.kv_pressure_evict not in PRESSURE_EVICT_RULES:
             raise ValueError(f"kv_pressure_evict must be one of {', '.join(PRESSURE_EVICT_RULES)}; got "
                              f"{self.kv_pressure_evict!r}")
+
+    def _check_share(self, name: str, what: str) -> None:
+        """Field `name` (`what` it is) must be a number in (0, MAX_PRESSURE_EVICT]."""
+        v = getattr(self, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_PRESSURE_EVICT:
+            raise ValueError(f"{name} ({what}) must be in (0, {MAX_PRESSURE_EVICT}]; got {v!r}")
 
     def _check_speculation_and_ranks(self) -> None:
         """speculative_config (parsed into `speculative`), tensor_parallel_size and attention_backend, and what

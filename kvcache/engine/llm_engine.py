@@ -8,6 +8,7 @@ EngineDeadError and must be rebuilt.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from kvcache.parallel.errors import RankDiedError
 from kvcache.engine.admission import RequestAdmission
 from kvcache.engine.eviction import seq_chunk
 from kvcache.engine.outputs import CompletionOutput, Request, RequestOutput, request_output
+from kvcache.engine.pressure import PressureStats
 from kvcache.engine.sampling_step import SamplingStep
 from kvcache.engine.sequence import Sequence
 from kvcache.engine.startup import EngineStartup
@@ -376,9 +378,8 @@ class LLMEngine(EngineStartup, RequestAdmission, SamplingStep):
     def _pressure_info(self) -> dict:
         """The pressure ladder's counts (zero without it)."""
         ladder = self.scheduler.pressure
-        st = ladder.stats if ladder is not None else None
-        return {f"pressure_{k}": getattr(st, k) if st else 0 for k in ("evictions", "evicted_tokens", "freed_blocks",
-                                                                          "failed")}
+        stats = ladder.stats if ladder is not None else PressureStats()
+        return {f"pressure_{k}": v for k, v in dataclasses.asdict(stats).items()}
 
     def close(self) -> None:
         """Write what the offload tiers still have queued and publish the last KV events; the engine must not be
@@ -413,4 +414,4 @@ class LLMEngine(EngineStartup, RequestAdmission, SamplingStep):
         held = sum(pool.ref_counts)
         if kv.block_tables or held != tree or kv.num_free_blocks + len(pool.pinned) != pool.num_usable:
             raise AssertionError(f"{held - tree} block references still held with no request running "
-                                 f"({len(kv.block_tables)} block tables, {tree} blocks in the radix tree)")
+                                 f"({len(kv.block_tables)} block tables, {tree} blocks in the radix tree or pinned)")

@@ -110,5 +110,5 @@ class PressureLadder:
     @staticmethod
     def forget(seq) -> None:
         """`seq` is recomputed from its tokens (a preemption): the ladder's state goes, the counts stay."""
-        if seq.eviction is not None and seq.eviction.policy.name == PressureEviction.name:
+        if seq.eviction is not None and isinstance(seq.eviction.policy, PressureEviction):
             seq.eviction = None

@@ -182,10 +182,9 @@ class Scheduler:
 
     def _relieve(self, seq: Sequence, tokens: int, scheduled: dict[int, int]) -> bool:
         """The pressure ladder's rungs before a preemption (engine/pressure.py), for `seq`'s allocation of `tokens`
-        cache slots that failed:
-        True if one freed blocks (try again), False if the victim is to be preempted. With swap, the victim is
-        swapped out first (no quality lost; its preemption follows); where the tier has no room, tokens of the
-        longest sequence not yet scheduled this step are evicted."""
+        cache slots that failed: True if one freed blocks (try again), False if the victim is to be preempted. With
+        swap, the victim is swapped out first (no quality lost; its preemption follows); where the tier has no room,
+        tokens of the longest sequence not yet scheduled this step are evicted."""
         if self.pressure is None:
             return False
         if self.swap and self._swap_out(self.running[-1]):

@@ -312,7 +312,6 @@ class EngineStartup:
     def _pin_prefix(self, config: EngineConfig) -> None:
         """--kv-pin-prefix: prefill it (a request for one token), then pin its full blocks in the pool (never
         evicted); refused, with the numbers, when it fills no block or takes more than kv_pin_max_fraction of it."""
-        self.pinned_blocks = 0
         text = config.kv_pin_prefix
         if text is None:
             return
@@ -333,7 +332,6 @@ class EngineStartup:
         found = self.kv.find_prefix(probe, ids + [ids[-1]])
         self.kv.free(probe)
         self.kv.pool.pin(found)
-        self.pinned_blocks = len(found)
         log.info("pinned prefix: %d tokens in %d blocks of %d, never evicted (%.1f%% of the pool)", len(found) * bs,
                  len(found), bs, 100 * len(found) / usable)
 
