@@ -132,11 +132,12 @@ class BlockPool:
 
     def _enfree(self, b: int) -> None:
         """Put `b` at the back of its priority's free list (0 past its expiry)."""
-        expired = self.expires[b] <= self.clock()
+        timed = self.expires[b] != math.inf  # only a TTL reads the clock (free and allocate are on every step)
+        expired = timed and self.expires[b] <= self.clock()
         p = 0 if expired else self.priority[b]
         self._lists.setdefault(p, {})[b] = None
         self._free[b] = p
-        if not expired and self.expires[b] != math.inf:
+        if timed and not expired:
             heapq.heappush(self._expiring, (self.expires[b], b, self.generation[b]))
 
     def _unfree(self, b: int) -> None:
@@ -148,6 +149,8 @@ class BlockPool:
 
     def _expire(self) -> None:
         """Move free blocks whose retention expired to the priority-0 list (at its back)."""
+        if not self._expiring:
+            return
         now = self.clock()
         while self._expiring and self._expiring[0][0] <= now:
             t, b, gen = heapq.heappop(self._expiring)
