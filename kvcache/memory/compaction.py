@@ -53,9 +53,13 @@ class TableCompaction:
             freed.extend(gone)
         self.block_tables[seq_id] = new
         self._changed.add(seq_id)
-        entry = self._seqs.pop(seq_id, None)
-        if entry is not None and entry.locked:
-            self.radix.unlock(entry.node)
+        entry = self._seqs.get(seq_id)
+        if entry is not None and not (self.radix and fixed_blocks):  # fixed blocks stay in the table, locked
+            del self._seqs[seq_id]
+            if entry.locked:
+                self.radix.unlock(entry.node)
+            if entry.family:
+                entry.family.remove(seq_id)
         self._compacted.add(seq_id)
         return table, new
 

@@ -54,6 +54,7 @@ class _SeqCache:
     locked: bool = False  # radix: it holds a lock on `node`
     stopped: bool = False  # a block under one of its hashes is held with another chain: none more is registered
     snapshot: int | None = None  # recurrent state: the snapshot slot its prefix (find_prefix's) starts from
+    family: list[int] | None = None  # radix: the sequences forked from one another, which share blocks (one list)
 
 
 class KVCacheManager(TableCompaction):
@@ -237,6 +238,23 @@ class KVCacheManager(TableCompaction):
             self.radix.evict(n - self.pool.num_free)
         return self.pool.allocate(n)
 
+    def _family_on(self, entry: _SeqCache, node) -> list[_SeqCache]:
+        """`entry` and the entries of its fork family that must lock `node`, the node its prefix now ends at. Forks
+        share their full blocks by reference, so when one of them hands those blocks to the radix tree, the others
+        hold tree blocks too: each that locks nothing or only an ancestor of `node` moves its lock to `node` (which
+        may cover more than it holds: that only protects more), or the tree would count as evictable blocks that
+        evicting does not free. One that locks another branch or a deeper node holds its path already."""
+        others = (self._seqs.get(s) for s in entry.family or ())
+        return [entry] + [e for e in others if e is not None and e is not entry
+                          and (not e.locked or self.radix.is_above(e.node, node))]
+
+    def _move_lock(self, entry: _SeqCache, node) -> None:
+        """Lock `node` for `entry` and let go of the node it locked before (lock first: the paths may share)."""
+        self.radix.lock(node)
+        if entry.locked:
+            self.radix.unlock(entry.node)
+        entry.node, entry.locked = node, True
+
     def allocate(self, seq_id: int, num_tokens: int, prefix: list[int] = ()) -> bool:
         """Grow the table of `seq_id` to cover `num_tokens` tokens, starting a new table from the cached
         `prefix` blocks; False (and no change) if blocks are short."""
@@ -291,10 +309,8 @@ class KVCacheManager(TableCompaction):
         if self.radix:
             hashes = self.block_hashes(seq_id, token_ids, extra)[:full] if self.events is not None else ()
             node, tree_blocks = self.radix.insert(token_ids[:full * bs], table[:full], entry.extra, hashes)
-            self.radix.lock(node)
-            if entry.locked:
-                self.radix.unlock(entry.node)
-            entry.node, entry.locked = node, True
+            for member in self._family_on(entry, node):
+                self._move_lock(member, node)
             for i in range(entry.num_cached, full):
                 if table[i] != tree_blocks[i]:
                     self._swap(seq_id, i, tree_blocks[i])
@@ -425,6 +441,8 @@ class KVCacheManager(TableCompaction):
             self.private_blocks[child_id] = dst[partial:]
         self.block_tables[child_id] = list(shared) + dst[:partial]
         self._changed.add(child_id)
+        if parent_id in self._compacted:  # its blocks hold the compacted KV: none of them may be cached
+            self._compacted.add(child_id)
         if self._released.get(parent_id, 0):
             self._released[child_id] = min(self._released[parent_id], n_full)
         if parent_id in self._seqs:
@@ -432,6 +450,10 @@ class KVCacheManager(TableCompaction):
             # Hashes and cached blocks only up to the fork point: after it the child's tokens are its own.
             child = _SeqCache(p.extra, p.hashes[:n_full], min(p.num_cached, n_full), p.node, p.locked,
                               stopped=p.stopped)  # (its leading blocks may be given back past num_cached)
+            if self.radix:
+                p.family = p.family or [parent_id]
+                child.family = p.family
+                child.family.append(child_id)
             self._seqs[child_id] = child
             if child.locked:
                 self.radix.lock(p.node)
@@ -488,6 +510,8 @@ class KVCacheManager(TableCompaction):
             self.pool.free(table[::-1])
         if entry is not None and entry.locked:
             self.radix.unlock(entry.node)
+        if entry is not None and entry.family:
+            entry.family.remove(seq_id)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no sequence holds; returns how many. Refuses while sequences hold blocks."""

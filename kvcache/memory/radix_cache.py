@@ -122,6 +122,14 @@ class RadixCache:
                 self.evictable_blocks += len(node.blocks)
             node = node.parent
 
+    @staticmethod
+    def is_above(upper: RadixNode, node: RadixNode) -> bool:
+        """Whether `upper` is a strict ancestor of `node` (its blocks lead to `node`'s)."""
+        node = node.parent
+        while node is not None and node is not upper:
+            node = node.parent
+        return node is upper
+
     def locked_blocks_on_path(self, node: RadixNode) -> int:
         """Blocks on the path to `node` that locking it would take out of the evictable set."""
         n = 0

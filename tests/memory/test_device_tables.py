@@ -48,7 +48,9 @@ def test_freed_rows_are_reused_and_zeroed():
 def test_random_lifecycles_keep_the_copy_exact(prefix_caching, seed):
     """Growth, prefix hits, dedup swaps (two sequences computing the same blocks), forks, compactions and frees
     in random order; after every sync the synced rows equal the manager's tables, and a sync writes no more than
-    the new entries of growing tables plus whole rows of the tables changed in place."""
+    the new entries of growing tables plus whole rows of the tables changed in place. With radix, every block the
+    tree counts as evictable is one that only the tree holds (a fork or a compaction's fixed blocks must lock
+    theirs), so an allocation the count allows always finds its blocks."""
     rng = random.Random(seed)
     bs = 4
     kv = KVCacheManager(num_blocks=48, block_size=bs, prefix_caching=prefix_caching)
@@ -83,12 +85,16 @@ def test_random_lifecycles_keep_the_copy_exact(prefix_caching, seed):
         elif op < 0.8:
             s = rng.choice(live)
             keep = rng.randrange(1, len(tokens[s]) + 1)
-            if kv.compact(s, keep) is not None:
+            if kv.compact(s, keep, fixed_blocks=rng.choice([0, 0, 1])) is not None:
                 tokens[s] = tokens[s][:keep]
         else:
             s = rng.choice(live)
             kv.free(s)
             del tokens[s]
+        if kv.radix:  # what the tree counts as evictable, evicting frees: no sequence holds it unlocked
+            held = {b: kv.pool.ref_counts[b] for n in kv.radix._nodes() if not n.lock_ref for b in n.blocks}
+            assert all(n == 1 for n in held.values()), held
+            assert kv.radix.evictable_blocks == len(held)
         batch = [s for s in kv.block_tables if rng.random() < 0.7]
         before = {s: len(kv.block_tables[s]) for s in batch}
         written = dev.entries_written
