@@ -29,7 +29,8 @@ def build_app(loop: EngineLoop, model_name: str, metrics, api_key: str | None = 
     app = FastAPI(title="kvcache", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = ServerState(loop, metrics, model_name, max_waiting_requests, max_body_bytes)
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
-    app.add_middleware(Guard, expected_auth=expected_auth, max_body_bytes=max_body_bytes)
+    app.add_middleware(Guard, expected_auth=expected_auth, max_body_bytes=max_body_bytes,
+                       draining=lambda: loop.draining)
     if kv_page_on:
         app.state.kv_hub = kv_page.add_routes(app, loop, metrics, api_key, kv_page_show_text)
     app.add_exception_handler(APIError, api_error)

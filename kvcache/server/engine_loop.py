@@ -28,7 +28,12 @@ from kvcache.engine.sampling_params import SamplingParams
 from kvcache.server import kv_snapshot
 
 log = logging.getLogger("kvcache.server")
-__all__ = ["EngineDeadError", "EngineLoop"]
+__all__ = ["EngineDeadError", "EngineLoop", "ServerShuttingDown"]
+
+
+class ServerShuttingDown(EngineDeadError):
+    """The server is shutting down (a drain, server/drain.py): the request was refused, or aborted at the drain's
+    timeout."""
 
 
 @dataclass(slots=True)
@@ -102,6 +107,7 @@ class EngineLoop:
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="kvcache-engine", daemon=True)
         self._stopping = False
+        self.draining = False  # set by begin_drain: no request is taken any more, running ones go on
         self._closing = threading.Lock()
         self._closed = False  # set, under _closing, when the thread has failed every pending command
         self.error: BaseException | None = None
@@ -133,7 +139,27 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
+        """The loop takes requests: its thread runs, the engine has not died, and it is neither stopping nor draining."""
+        return self._thread.is_alive() and self.error is None and not self._stopping and not self.draining
+
+    @property
+    def running(self) -> bool:
+        """The thread still steps the engine (also while draining)."""
         return self._thread.is_alive() and self.error is None and not self._stopping
+
+    def begin_drain(self) -> None:
+        """Take no new request (enqueue raises ServerShuttingDown); the ones taken run on."""
+        self.draining = True
+
+    @property
+    def num_open(self) -> int:
+        """Requests submitted and not yet finished or aborted (read from another thread: a snapshot)."""
+        return len(self._streams) + self._submitted - self._taken
+
+    def abort_all(self, message: str) -> None:
+        """Abort every open request (a drain's timeout): each one's handler gets ServerShuttingDown(`message`) and its
+        blocks are freed before the next step."""
+        self._commands.put(("abort_all", message))
 
     @property
     def num_waiting(self) -> int:
@@ -156,6 +182,8 @@ class EngineLoop:
         accepted = loop.create_future()
         stream = _Stream(loop, out if out is not None else asyncio.Queue())
         with self._closing:  # never queue a command after the dying thread has drained the queue
+            if self.draining:
+                raise ServerShuttingDown("the server is shutting down")
             if self._closed or not self.alive:
                 raise EngineDeadError("the engine loop is not running")
             self._submitted += 1
@@ -194,10 +222,10 @@ class EngineLoop:
                                         add_special_tokens=cmd.add_special_tokens, cache_salt=cmd.cache_salt,
                                         eviction=cmd.eviction)
             except Exception as e:  # noqa: BLE001 -- the handler turns it into an HTTP error
-                cmd.stream.loop.call_soon_threadsafe(_settle, cmd.accepted, e)
+                _call(cmd.stream.loop, _settle, cmd.accepted, e)
                 return
             self._streams[cmd.request_id] = cmd.stream
-            cmd.stream.loop.call_soon_threadsafe(_settle, cmd.accepted, None)
+            _call(cmd.stream.loop, _settle, cmd.accepted, None)
         elif cmd[0] == "snapshot":
             _, future, loop, show_text = cmd
             try:
@@ -205,14 +233,20 @@ class EngineLoop:
             except Exception as e:  # a page must not take the engine down: the viewer gets the error
                 log.exception("taking the KV snapshot failed")
                 snap, error = None, e
-            loop.call_soon_threadsafe(_settle, future, error, snap)
+            _call(loop, _settle, future, error, snap)
         elif cmd[0] == "abort":
-            rid = cmd[1]
-            if self.engine.abort_request(rid) and self.metrics:
-                self.metrics.on_abort(rid)
-            stream = self._streams.pop(rid, None)
+            stream = self._abort(cmd[1])
             if stream:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (rid, None))
+                _post(stream, (cmd[1], None))
+        elif cmd[0] == "abort_all":
+            for rid in list(self._streams):
+                _post(self._abort(rid), ServerShuttingDown(cmd[1]))
+
+    def _abort(self, rid: str) -> _Stream | None:
+        """Abort `rid` in the engine and forget its stream (returned, None if it had none)."""
+        if self.engine.abort_request(rid) and self.metrics:
+            self.metrics.on_abort(rid)
+        return self._streams.pop(rid, None)
 
     def _run(self) -> None:
         last_log = time.monotonic()
@@ -240,7 +274,7 @@ class EngineLoop:
             self.error = e
             log.exception("the engine loop stopped")
         finally:
-            self._fail_all(self.error or EngineDeadError("the server is shutting down"))
+            self._fail_all(self.error or ServerShuttingDown("the server is shutting down"))
             if self.error is not None and self.on_dead is not None:
                 self.on_dead()
 
@@ -259,10 +293,10 @@ class EngineLoop:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        _post(stream, out)
         if out.finished:
             del self._streams[out.request_id]
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (out.request_id, None))
+            _post(stream, (out.request_id, None))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._closing:
@@ -273,12 +307,30 @@ class EngineLoop:
             except queue.Empty:
                 break
             if isinstance(cmd, _Add):
-                cmd.stream.loop.call_soon_threadsafe(_settle, cmd.accepted, EngineDeadError(str(error)))
+                _call(cmd.stream.loop, _settle, cmd.accepted, _dead(error))
             elif cmd[0] == "snapshot":
-                cmd[2].call_soon_threadsafe(_settle, cmd[1], EngineDeadError(str(error)))
+                _call(cmd[2], _settle, cmd[1], _dead(error))
         for stream in self._streams.values():
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(str(error)))
+            _post(stream, _dead(error))
         self._streams.clear()
+
+
+def _dead(error: BaseException) -> EngineDeadError:
+    """What a pending request gets when the loop ends with `error`: a shutdown stays a shutdown."""
+    return ServerShuttingDown(str(error)) if isinstance(error, ServerShuttingDown) else EngineDeadError(str(error))
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """`fn(*args)` on the asyncio `loop`; nothing if that loop has closed (the server stopped first: no one waits)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed"
+        pass
+
+
+def _post(stream: _Stream, item) -> None:
+    """Put `item` on a handler's queue, from the engine thread."""
+    _call(stream.loop, stream.queue.put_nowait, item)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None, result=None) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from kvcache.server.engine_loop import ServerShuttingDown
 from kvcache.server.protocol import APIError
+
+RETRY_AFTER_S = 1  # what a 503 for a shutdown or a full queue tells clients to wait: another instance can serve them
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -12,8 +15,11 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def engine_dead(rid: str) -> APIError:
-    """A request the engine could not run because it has stopped (503: the server is shutting down)."""
+def engine_dead(rid: str, error: BaseException | None = None) -> APIError:
+    """A request the engine could not run because it has stopped (503: the server is shutting down), or, where
+    `error` is a drain's ServerShuttingDown, because the server is shutting down on a signal."""
+    if isinstance(error, ServerShuttingDown):
+        return shutting_down(f"{error}; retry on another instance (request id {rid})")
     return APIError(503, f"the engine has stopped and this server is shutting down; retry once it is back "
                          f"(request id {rid})", type="server_error", code="engine_dead")
 
@@ -22,3 +28,9 @@ def engine_failed(rid: str, error: str) -> APIError:
     """A request the engine failed (RequestOutput.error): the server's fault, not the client's."""
     return APIError(500, f"{error} (request id {rid}; the server log has the details)", type="server_error",
                     code="engine_error")
+
+
+def shutting_down(message: str) -> APIError:
+    """503 for a request that a draining server refuses or aborts, with Retry-After."""
+    return APIError(503, message, type="server_error", code="server_shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})

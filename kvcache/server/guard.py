@@ -4,9 +4,10 @@ from __future__ import annotations
 import hmac
 import logging
 import uuid
+from collections.abc import Callable
 
 from kvcache.server import kv_page
-from kvcache.server.errors import error_response
+from kvcache.server.errors import error_response, shutting_down
 from kvcache.server.protocol import APIError
 
 log = logging.getLogger("kvcache.server")
@@ -21,8 +22,10 @@ class Guard:
     id, answered with a plain 500 that keeps the connection usable (Starlette's own handler for Exception
     re-raises to the server, which then drops the connection)."""
 
-    def __init__(self, app, expected_auth: bytes | None, max_body_bytes: int) -> None:
+    def __init__(self, app, expected_auth: bytes | None, max_body_bytes: int,
+                 draining: Callable[[], bool] = lambda: False) -> None:
         self.app, self.expected_auth, self.max_body_bytes = app, expected_auth, max_body_bytes
+        self.draining = draining  # a draining server (server/drain.py) refuses every request but OPEN_PATHS
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -52,10 +55,12 @@ class Guard:
                                               type="server_error", code="internal_error"))(scope, receive, send_with_id)
 
     def _refusal(self, scope) -> APIError | None:
-        """A declared body over the limit (413, checked first: the KV page's login form is open) or a missing or wrong
+        """503 while the server drains (but on OPEN_PATHS), a declared body over the limit (413, checked first: the KV page's login form is open) or a missing or wrong
         API key (401), else None."""
         headers = dict(scope["headers"])
         path = scope["path"]
+        if path not in OPEN_PATHS and self.draining():
+            return shutting_down("the server is shutting down and takes no new requests; retry on another instance")
         length = headers.get(b"content-length", b"")
         if length.isdigit() and len(length) < 20 and int(length) > self.max_body_bytes:
             return APIError(413, f"request body of {int(length):,} bytes is over the {self.max_body_bytes:,}-byte "

@@ -75,7 +75,7 @@ async def collect(request: Request, loop: EngineLoop, out: asyncio.Queue, ids: l
         except TimeoutError:
             continue
         if isinstance(item, BaseException):
-            raise engine_dead(rid)
+            raise engine_dead(rid, item)
         if isinstance(item, tuple):
             open_ids.discard(item[0])
         elif item.error is not None:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 
 from kvcache.config import EngineConfig
 from kvcache.plan.sizes import parse_bytes
@@ -26,6 +28,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="beyond this many queued requests new ones get 503 with Retry-After (default: %(default)s)")
     p.add_argument("--max-request-body", default="4MiB",
                    help="largest request body accepted, bytes, e.g. 4MiB (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM or SIGINT: seconds the requests in flight get to finish before they are aborted; "
+                        "new ones get 503 meanwhile, and a second signal exits at once (default: %(default)s)")
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between throughput log lines (default: %(default)s)")
     p.add_argument("--no-kv-page", action="store_true", help="do not serve the live KV cache page (/kv)")
@@ -73,18 +78,45 @@ def create(config: EngineConfig, served_model_name: str | None = None, api_key: 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     import uvicorn
 
+    from kvcache.server.drain import DrainingServer
+
     if args.served_model:
         config.model = args.served_model
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    app, loop = create(config, args.served_model_name, args.api_key or None, args.max_waiting_requests,
-                       parse_bytes(args.max_request_body), args.log_interval, not args.no_kv_page,
-                       args.kv_page_show_text)
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    with _stop_on_signal() as stopped:  # loading the weights, building the engine
+        app, loop = create(config, args.served_model_name, args.api_key or None, args.max_waiting_requests,
+                           parse_bytes(args.max_request_body), args.log_interval, not args.no_kv_page,
+                           args.kv_page_show_text)
+    if stopped:
+        return 0
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", args.host)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"), loop,
+                            args.shutdown_timeout)
     return serve_until_dead(server, loop)
+
+
+@contextlib.contextmanager
+def _stop_on_signal():
+    """While the server starts: SIGTERM or SIGINT ends the start-up with one log line (no traceback), and the
+    block's value turns truthy. A loader thread left behind is a daemon: the process exits without it."""
+    stopped: list[bool] = []
+
+    def interrupt(sig, frame):
+        raise KeyboardInterrupt(signal.Signals(sig).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stopped
+    except KeyboardInterrupt as e:
+        log.info("%s while starting: stopped before serving", e.args[0] if e.args else "SIGINT")
+        stopped.append(True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def serve_until_dead(server, loop) -> int:
@@ -103,4 +135,7 @@ def serve_until_dead(server, loop) -> int:
     finally:
         loop.stop()
         loop.engine.close()  # the offload writer's queue and the last KV events
-    return ENGINE_DEAD_STATUS if loop.error is not None else 0
+    if loop.error is not None:
+        return ENGINE_DEAD_STATUS
+    log.info("engine stopped, offload tiers and KV events flushed; exiting (status 0)")
+    return 0

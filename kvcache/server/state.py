@@ -13,6 +13,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from kvcache.server.engine_loop import EngineLoop
+from kvcache.server.errors import RETRY_AFTER_S, shutting_down
 from kvcache.server.logprobs import TokenTexts
 from kvcache.server.protocol import APIError, validation_error
 
@@ -71,6 +72,8 @@ class ServerState:
         """Refuse `n` more requests if the engine is down or the queue would pass its limit: 503 if it may
         succeed later, 400 if it never can."""
         limit = self.max_waiting_requests
+        if self.loop.draining:
+            raise shutting_down("the server is shutting down and takes no new requests; retry on another instance")
         if not self.loop.alive:
             raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
         if n > limit:
@@ -80,7 +83,7 @@ class ServerState:
         if self.loop.num_waiting + n > limit:
             raise APIError(503, f"{self.loop.num_waiting} requests are waiting and this one adds {n} (limit "
                                 f"{limit}); retry later", type="server_overloaded",
-                           code="too_many_waiting", headers={"Retry-After": "1"})
+                           code="too_many_waiting", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def encode(self, text: str, special: bool) -> list[int]:
         """Tokenize in a worker thread: a long prompt must not stall the event loop or the engine thread."""

@@ -68,7 +68,7 @@ class EventStream:
                     open_ids.discard(item[0])
                     continue
                 if isinstance(item, BaseException) or item.error is not None:  # vLLM's way: an error event, [DONE]
-                    error = engine_dead(self.rid) if isinstance(item, BaseException) else engine_failed(self.rid,
+                    error = engine_dead(self.rid, item) if isinstance(item, BaseException) else engine_failed(self.rid,
                                                                                                       item.error)
                     yield sse(error.body())
                     yield DONE

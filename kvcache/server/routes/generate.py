@@ -92,15 +92,15 @@ async def _enqueue(state: ServerState, req, rid: str, ids: list[str], prompts: l
     try:
         accepted = [loop.enqueue(sub_id, p, params, True, req.cache_salt, out, eviction)[1]
                     for sub_id, p in zip(ids, prompts)]
-    except EngineDeadError:
-        raise engine_dead(rid) from None
+    except EngineDeadError as e:
+        raise engine_dead(rid, e) from None
     errors = [r for r in await asyncio.gather(*accepted, return_exceptions=True) if r is not None]
     if errors:  # one bad prompt of several: none of them runs
         for sub_id in ids:
             loop.abort(sub_id)
         e = errors[0]
         if isinstance(e, EngineDeadError):
-            raise engine_dead(rid)
+            raise engine_dead(rid, e)
         if isinstance(e, ValueError):
             raise APIError(400, str(e), param=param_of(str(e)))
         raise e

@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvcache.server.errors import error_response
+from kvcache.server.errors import error_response, shutting_down
 from kvcache.server.protocol import APIError
 from kvcache.server.state import server_state
 
@@ -13,9 +13,13 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request):
-    """200 while the engine loop runs, else 503 (a supervisor's liveness check)."""
-    if server_state(request).loop.alive:
+    """200 while the engine loop runs and takes requests, else 503 (a supervisor's liveness check; a load balancer
+    takes a draining instance out on it)."""
+    loop = server_state(request).loop
+    if loop.alive:
         return Response(status_code=200)
+    if loop.draining:
+        return error_response(shutting_down("the server is shutting down"))
     return error_response(APIError(503, "the engine loop is not running", type="server_error", code="engine_dead"))
 
 
