@@ -348,9 +348,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvcache.server.serve import check_args
+    check_args(args)
     if args.replicas != 1:  # Ray Serve replicas behind a router: the router's layer starts them
-        if not 0 < args.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {args.port}")
         from kvcache.router.replicas import serve_replicas
         config = engine_config(args)
         if args.served_model:

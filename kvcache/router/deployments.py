@@ -1,6 +1,7 @@
 """The Ray Serve application of `kvcache serve --replicas K`: K EngineReplica deployments (`replica-0` ...), each a
 whole `kvcache serve` app on a loopback port of its actor's, and the `router` ingress (ingress.py) bound to them."""
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) as objects.
+import asyncio
 import dataclasses
 import os
 import threading
@@ -33,6 +34,7 @@ class EngineReplica:
         from kvcache.server.serve import create
         torch.set_num_threads(options.threads)
         self.index = index
+        self.draining = False  # drain() has begun: the health check passes while the replica winds down
         # the router follows this replica's KV events here (a process's own path: a restart gets a new one)
         self.events = f"ipc://{options.events_dir}/replica-{index}-{os.getpid()}.ipc"
         self.replay = f"ipc://{options.events_dir}/replica-{index}-{os.getpid()}-replay.ipc"
@@ -61,8 +63,23 @@ class EngineReplica:
                 "prefix_cache_queries": info["prefix_cache_queries"], "pool_tokens": info["num_tokens"],
                 **self._process()}
 
+    async def drain(self, timeout_s: float) -> int:
+        """Drain this replica as `kvcache serve` drains on a signal (server/drain.py), then stop its HTTP server and
+        close its engine (the offload writer, the last KV events); returns the number of requests aborted."""
+        from kvcache.server.drain import FLUSH_S, drain_engine
+        self.draining = True
+        aborted = await drain_engine(self.loop, timeout_s, f"replica {self.index}")
+        self.server.should_exit = True
+        await asyncio.to_thread(self.thread.join, FLUSH_S + 1)
+        self.loop.stop()
+        self.loop.engine.close()
+        return aborted
+
     def check_health(self) -> None:
-        """Ray Serve's health check: it restarts a replica whose engine loop or HTTP server has stopped."""
+        """Ray Serve's health check: it restarts a replica whose engine loop or HTTP server has stopped (but not
+        while it drains)."""
+        if self.draining:
+            return
         if not self.loop.alive or not self.thread.is_alive():
             raise RuntimeError(f"replica {self.index}'s engine loop is not running")
 
@@ -104,7 +121,7 @@ def _router(options: ReplicaOptions, policy: str, balance: int):
 
         @web.get("/health")
         async def health(self):
-            return Response(status_code=200)
+            return self.refusal() or Response(status_code=200)
 
         @web.get("/replicas")
         async def replicas(self):

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvcache.router.kv_index import EngineKeys, EventSubscriber
+from kvcache.server.errors import error_response, shutting_down
 from kvcache.router.prefix_router import Key, PrefixRouter, prefix_keys
 
 log = logging.getLogger("kvcache")
@@ -41,6 +42,7 @@ class RouterIngress:
         self.key_kinds = {"engine": 0, "text": 0}  # requests keyed by the engine's hashes, or by prefix_keys
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         self.retries = 0
+        self.draining = False  # kvcache serve --replicas is shutting down: new requests get 503
         self.poller: asyncio.Task | None = None
 
     def _seen(self, i: int, info: dict) -> None:
@@ -105,6 +107,9 @@ class RouterIngress:
     async def proxy(self, request: Request, path: str):
         """`request` passed to the replica chosen for it (another if that one cannot be reached), its response
         streamed back with the replica's number in `x-kvcache-replica`; 503 when no replica could be reached."""
+        refused = self.refusal()
+        if refused is not None:
+            return refused
         self._start_polling()
         body = await request.body()
         keys = await self._request_keys(body, path)
@@ -124,6 +129,18 @@ class RouterIngress:
         kept["x-kvcache-replica"] = str(i)
         return StreamingResponse(relay(upstream.aiter_raw(), sse, i, done), status_code=upstream.status_code,
                                  headers=kept)
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (`kvcache serve --replicas` on SIGTERM or SIGINT, through the deployment's
+        handle); the ones under way go on."""
+        self.draining = True
+
+    def refusal(self) -> Response | None:
+        """503 with Retry-After in OpenAI's error shape while the server drains, else None."""
+        if not self.draining:
+            return None
+        return error_response(shutting_down("the server is shutting down and takes no new requests; retry on "
+                                            "another instance"))
 
     async def _request_keys(self, body: bytes, path: str) -> list[Key]:
         """The prefix keys a request is routed by: none for round-robin, /v1/models or a body that is no JSON object."""

@@ -39,6 +39,7 @@ import time
 from kvcache.parallel.host import usable_cores
 from kvcache.router.deployments import ReplicaOptions, build_app
 from kvcache.router.prefix_router import check_routing
+from kvcache.server.drain import FLUSH_S, SECOND_SIGNAL_STATUS
 
 log = logging.getLogger("kvcache")
 
@@ -46,7 +47,7 @@ log = logging.getLogger("kvcache")
 def _stop_on_sigterm(signum, frame) -> None:
     """SIGTERM (systemd's, Kubernetes') ends `kvcache serve --replicas` as Ctrl-C does: Ray Serve and the Ray cluster
     it started are shut down and the KV event endpoints' directory is removed, instead of being left behind."""
-    raise KeyboardInterrupt
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def serve_replicas(args, config) -> int:
@@ -70,17 +71,77 @@ def serve_replicas(args, config) -> int:
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)  # a supervisor's stop: the same way out as Ctrl-C's
     log.info("the replicas' KV event endpoints live in %s", events_dir.name)
+    why, deploying = None, False
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
+        deploying = True
         serve.run(build_app(args.replicas, options, args.routing, args.routing_balance), name="kvcache",
                   route_prefix="/")
         log.info("serving %d replicas behind %s routing on http://%s:%d (Ray Serve)", args.replicas, args.routing,
                  args.host, args.port)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        return 0
-    finally:
+    except KeyboardInterrupt as e:
+        why = e.args[0] if e.args else "SIGINT"
+    finally:  # on an error too: nothing of Ray's stays behind
+        status = _stop(serve, ray, events_dir, why, deploying, args.replicas, args.shutdown_timeout)
+    return status
+
+
+class _Again(BaseException):
+    """A second SIGTERM or SIGINT while the server stops."""
+
+
+def _raise_again(signum, frame) -> None:
+    raise _Again(signal.Signals(signum).name)
+
+
+def _stop(serve, ray, events_dir, why: str | None, deploying: bool, num_replicas: int, timeout_s: float) -> int:
+    """Stop after the signal `why` (None: an error): drain the replicas if the application was being deployed, shut
+    Ray Serve down, then the Ray cluster, and remove the KV events' directory. A second signal skips the rest of the
+    drain and Ray Serve's own graceful shutdown. Returns the exit status (0, or SECOND_SIGNAL_STATUS)."""
+    previous = {sig: signal.signal(sig, _raise_again) for sig in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    try:
+        if why is not None and deploying:
+            _drain(serve, num_replicas, timeout_s, why)
+        elif why is not None:
+            log.info("%s while starting: stopped before serving", why)
         serve.shutdown()
+    except _Again as again:
+        log.warning("%s again: exiting now, without finishing the drain (status %d)", again.args[0],
+                    SECOND_SIGNAL_STATUS)
+        status = SECOND_SIGNAL_STATUS
+    finally:
+        for sig in previous:  # the Ray cluster's own shutdown runs to its end
+            signal.signal(sig, signal.SIG_IGN)
         ray.shutdown()
         events_dir.cleanup()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return status
+
+
+def _drain(serve, num_replicas: int, timeout_s: float, why: str) -> None:
+    """The drain of `kvcache serve` (server/drain.py) across the replicas: the router refuses new requests, then each
+    replica drains (its open requests run up to `timeout_s`, then are aborted with the shutdown's error) and closes
+    its engine. A replica that cannot be reached or does not answer in time is logged and skipped."""
+    try:
+        serve.get_app_handle("kvcache").begin_drain.remote().result(timeout_s=30)
+    except Exception as e:  # noqa: BLE001 -- not deployed yet, or its router is gone: the replicas still drain
+        log.warning("the router could not be told to refuse new requests: %s", _first_line(e))
+    log.info("%s: draining %d replicas for up to %g s (--shutdown-timeout); new requests get 503", why,
+             num_replicas, timeout_s)
+    calls = [serve.get_deployment_handle(f"replica-{i}", "kvcache").drain.remote(timeout_s)
+             for i in range(num_replicas)]  # all at once: they drain side by side
+    aborted = 0
+    for i, call in enumerate(calls):
+        try:
+            aborted += call.result(timeout_s=timeout_s + FLUSH_S + 30)
+        except Exception as e:  # noqa: BLE001 -- a dead or stuck replica: the others still drain
+            log.warning("replica %d did not drain: %s", i, _first_line(e))
+    log.info("replicas drained (%d requests aborted at the timeout); shutting Ray Serve down", aborted)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

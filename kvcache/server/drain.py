@@ -66,21 +66,25 @@ class DrainingServer(uvicorn.Server):
         self._drain = asyncio.ensure_future(self.drain())
 
     async def drain(self) -> None:
-        """Refuse new requests, wait for the open ones up to the timeout, abort the rest, then let uvicorn shut
-        down."""
-        loop, timeout = self.engine_loop, self.shutdown_timeout_s
-        loop.begin_drain()
-        log.info("%s: draining %d open requests for up to %g s (--shutdown-timeout); new requests get 503",
-                 self.drained_by, loop.num_open, timeout)
-        if await _wait_until_closed(loop, time.monotonic() + timeout):
-            log.info("drained: every open request finished")
-        else:
-            left = loop.num_open
-            log.warning("the %g s shutdown timeout passed: aborting the %d requests still open", timeout, left)
-            loop.abort_all(f"the server is shutting down and aborted this request at the end of its {timeout:g} s "
-                           "drain")
-            await _wait_until_closed(loop, time.monotonic() + FLUSH_S)
+        """drain_engine, then let uvicorn shut down."""
+        await drain_engine(self.engine_loop, self.shutdown_timeout_s, self.drained_by)
         self.should_exit = True
+
+
+async def drain_engine(loop: EngineLoop, timeout_s: float, why: str) -> int:
+    """Refuse new requests, wait for the open ones up to `timeout_s`, then abort the rest (each one's handler gets
+    ServerShuttingDown) and give them FLUSH_S to go. Returns the number aborted. Logs one line per phase."""
+    loop.begin_drain()
+    log.info("%s: draining %d open requests for up to %g s (--shutdown-timeout); new requests get 503", why,
+             loop.num_open, timeout_s)
+    if await _wait_until_closed(loop, time.monotonic() + timeout_s):
+        log.info("drained: every open request finished")
+        return 0
+    left = loop.num_open
+    log.warning("the %g s shutdown timeout passed: aborting the %d requests still open", timeout_s, left)
+    loop.abort_all(f"the server is shutting down and aborted this request at the end of its {timeout_s:g} s drain")
+    await _wait_until_closed(loop, time.monotonic() + FLUSH_S)
+    return left
 
 
 async def _wait_until_closed(loop: EngineLoop, deadline: float) -> bool:

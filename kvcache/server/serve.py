@@ -75,6 +75,14 @@ def create(config: EngineConfig, served_model_name: str | None = None, api_key: 
                      kv_page_show_text), loop
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the first of the server's own arguments that is out of range (before any model loads)."""
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if not args.shutdown_timeout >= 0:  # NaN too
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+
+
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     import uvicorn
 
@@ -82,10 +90,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
 
     if args.served_model:
         config.model = args.served_model
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    check_args(args)
     with _stop_on_signal() as stopped:  # loading the weights, building the engine
         app, loop = create(config, args.served_model_name, args.api_key or None, args.max_waiting_requests,
                            parse_bytes(args.max_request_body), args.log_interval, not args.no_kv_page,

@@ -19,6 +19,7 @@ import pytest
 from kvcache.bench.serve import wait_until_serving
 from kvcache.server.drain import FLUSH_S
 
+from drain_client import assert_clean_log, assert_refused_while_draining, signal_while_open, streams_started
 from live_server import free_port
 
 LONG = 500  # tokens (the tiny model's context is 512); with --max-num-seqs 1, a queue of them outlasts any drain here
@@ -39,67 +40,6 @@ def serve(model_dir: str, log_path, shutdown_timeout: float, *extra: str) -> tup
         proc.wait()
         raise
     return proc, url
-
-
-async def stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, on_event=lambda: None
-                 ) -> list[dict | str]:
-    """The events of one streamed completion: each `data:` payload, JSON-decoded but for [DONE]; `on_event()` is
-    called after each."""
-    body = {"model": "tiny", "prompt": [5 + i, 17, 42], "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-    events = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
-                on_event()
-    return events
-
-
-async def whole(client: httpx.AsyncClient, url: str, max_tokens: int) -> httpx.Response:
-    return await client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [9, 10, 11],
-                                                             "max_tokens": max_tokens, "ignore_eos": True})
-
-
-def streams_started(client, url: str, n: int, max_tokens: int, running: int) -> tuple[list[asyncio.Task],
-                                                                                   asyncio.Event]:
-    """`n` stream tasks, and an event set once `running` of them have received an event (so they run in the
-    engine)."""
-    started, ready = set(), asyncio.Event()
-
-    def seen(i):
-        started.add(i)
-        if len(started) == running:
-            ready.set()
-
-    tasks = [asyncio.create_task(stream(client, url, i, max_tokens, lambda i=i: seen(i))) for i in range(n)]
-    return tasks, ready
-
-
-async def signal_while_open(proc, url: str, sig: int, streams: int, max_tokens: int, wholes: int, running: int):
-    """Open `streams` streams and `wholes` whole requests, wait until `running` streams have sent an event, send `sig`,
-    then try a new request and /health; returns (stream events, whole responses, new response, health response)."""
-    async with httpx.AsyncClient(timeout=60) as client:
-        tasks, ready = streams_started(client, url, streams, max_tokens, running)
-        whole_tasks = [asyncio.create_task(whole(client, url, max_tokens)) for _ in range(wholes)]
-        await asyncio.wait_for(ready.wait(), 60)
-        proc.send_signal(sig)
-        proc.signalled_at = time.monotonic()
-        await asyncio.sleep(0.3)
-        new = await whole(client, url, 4)
-        health = await client.get(f"{url}/health")
-        return await asyncio.gather(*tasks), await asyncio.gather(*whole_tasks), new, health
-
-
-def assert_refused_while_draining(new: httpx.Response, health: httpx.Response) -> None:
-    assert new.status_code == 503 and new.headers["retry-after"] == "1"
-    assert new.json()["error"]["code"] == "server_shutting_down"
-    assert health.status_code == 503 and health.json()["error"]["code"] == "server_shutting_down"
-
-
-def assert_clean_log(text: str) -> None:
-    assert "Traceback" not in text and "Event loop is closed" not in text
-    assert "exiting (status 0)" in text
 
 
 def test_sigterm_aborts_what_the_timeout_leaves_with_an_error_event_and_done(tiny_llama, tmp_path):

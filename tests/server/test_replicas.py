@@ -2,6 +2,7 @@
 command), as a user runs it; and the router's choices on their own."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import queue
@@ -23,6 +24,7 @@ from kvcache.engine.kv_events import encode_event
 from kvcache.memory.block_hash import chain_hashes
 from kvcache.memory.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
 
+from drain_client import assert_clean_log, assert_refused_while_draining, signal_while_open
 from live_server import API_KEY, scrape, start_server
 
 
@@ -494,3 +496,32 @@ def _one_prompt_on_both_replicas(url: str, redis_url: str) -> None:
     assert metrics["kvcache:kv_offload_loaded_blocks_total{replica=1}"] == 6, metrics
     assert metrics["kvcache:kv_offload_hits_total{replica=1,tier=redis}"] >= 6
     assert metrics["kvcache:kv_offload_loaded_blocks_total{replica=0}"] == 0
+
+
+def test_replicas_drain_on_sigterm_the_router_refusing_and_each_replica_aborting_what_its_timeout_leaves(
+        tiny_model_dirs, tmp_path):
+    """SIGTERM to `kvcache serve --replicas 2` with streams in flight (one at a time per replica, 500 tokens each):
+    the router answers 503 to new requests and /health; each stream ends whole or with the shutdown's error event
+    and [DONE], through the router; the process exits 0 with no traceback."""
+    log_path = tmp_path / "serve.log"
+    proc, url = start_replicas(["--model", tiny_model_dirs["llama"], "--kv-cache-memory", "1MiB", "--max-model-len",
+                                "512", "--max-num-seqs", "1", "--served-model-name", "tiny", "--replicas", "2",
+                                "--routing", "round-robin", "--shutdown-timeout", "1"], str(log_path), 180)
+    try:
+        events, wholes, new, health = asyncio.run(signal_while_open(proc, url, signal.SIGTERM, 6, 500, 1, 2))
+        assert proc.wait(timeout=120) == 0
+    finally:
+        stop_replicas(proc, leftovers=proc.poll() is None)
+    assert_refused_while_draining(new, health)
+    aborted = 0
+    for ev in events:
+        assert ev[-1] == "[DONE]"
+        if "error" in ev[-2]:
+            assert ev[-2]["error"]["code"] == "server_shutting_down", ev[-2]
+            aborted += 1
+        else:
+            assert ev[-2]["choices"][0]["finish_reason"] == "length"
+    assert aborted >= 2  # four of the six queue behind the two running
+    log = log_path.read_text()
+    assert_clean_log(log, "replicas drained")
+    assert "SIGTERM: draining 2 replicas" in log
