@@ -431,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
              "bytes per rank against the planner's, same tokens", "kvcache.bench.tensor_parallel")
     _command(bsub, "replicas", "K replicas on Ray Serve, KV-aware routing against round-robin: prefix-cache hit "
              "rate and TTFT on shared-prefix and multi-turn workloads", "kvcache.bench.replicas")
+    _command(bsub, "soak", "kvcache serve under a seeded mixed workload for a set time while faults are injected "
+             "(Redis killed, the disk tier read-only, a replica killed), then SIGTERM: 5xx, RSS, fds, threads, "
+             "blocks held, TTFT/ITL per window", "kvcache.bench.soak")
     _command(bsub, "kv-page", "the live KV page's cost: the snapshot on a 100k-block pool, and serving throughput "
              "with viewers against none", "kvcache.bench.kv_page")
 
