@@ -9,17 +9,19 @@ JSON are; `SnapshotHub` takes at most one per interval, whatever the number of v
 Schema (version 1), every count in blocks unless named otherwise:
 - `time` (Unix seconds), `took_ms` (how long `take` held the engine thread), `interval_s`, `model`;
 - `pool`: `num_blocks` (block ids 0..num_blocks-1, 0 the null block), `block_size`, `prefix_caching` (null, "hash"
-  or "radix"), and the count of each state;
+  or "radix"), `kv_format` (the storage format of every block: one per pool), and the count of each state;
 - `states`: one character per block id: `n` null, `.` free, `u` held by one sequence, `s` shared by several,
   `c` cached and idle (findable by a prefix hit, evictable), `p` private (a KIVI key residual); `U` and `S` are `u`
-  and `s` blocks that are also registered in the prefix cache;
+  and `s` blocks that are also registered in the prefix cache; `P` pinned (`--kv-pin-prefix`: cached for ever,
+  whether a request uses it now or not);
 - `hashes`: {block id: the first 8 hex digits of its chain hash} for held blocks registered in the prefix cache
   (hash mode; the radix tree keys its nodes by tokens; an idle cached block is shown by its chain), `hits`: {block id: prefix-cache hits since it was last handed out}
   for blocks with any;
 - `requests`: [{`id`, `status`, `prompt_tokens`, `prefix_hit_tokens` (found cached at admission), `text` (only with
   `--kv-page-show-text`, its first 2,000 characters), `seqs`: [{`index`, `blocks` (its table, 0 where a window gave a block back), `slots`
   (tokens in its cache: a block's fill is min(block_size, slots - i x block_size)), `tokens`, `private` (blocks),
-  `eviction` (policy and tokens evicted, or null)}]}];
+  `eviction` (policy and tokens evicted, or null)}], `kv_degradation` (what memory pressure did to it so far:
+  RequestOutput.kv_degradation's counts)};
 - `prefix`: {`mode`, `groups`: the largest subtrees, each {`blocks`, `hits`, `age` (lookups since its last use, radix)
   or `lru` (free-list position of its first idle block: 0 is evicted first, hash), `held` (blocks a sequence holds),
   `nodes` (radix: [{`depth`, `blocks`, `hits`, `age`, `locked`}], the subtree's top nodes)}]};
@@ -34,10 +36,12 @@ from collections import deque
 
 import numpy as np
 
+from kvcache.engine.outputs import kv_degradation
 from kvcache.memory.block_pool import BlockPool
 
 VERSION = 1
-STATES = "n.uscUSp"  # by code: null, free, used, shared, cached idle, used and cached, shared and cached, private
+# by code: null, free, used, shared, cached idle, used and cached, shared and cached, private, pinned
+STATES = "n.uscUSpP"
 MAX_GROUPS = 16  # prefix subtrees or chains listed, the largest first
 MAX_NODES = 24  # radix nodes listed per subtree
 HISTORY = 600  # health samples kept (10 minutes at the default 1 s interval)
@@ -57,7 +61,8 @@ def capture(engine, show_text: bool = False) -> dict:
     kv, pool = engine.kv, engine.kv.pool
     raw = {
         "time": time.time(), "num_blocks": pool.num_blocks, "block_size": kv.block_size,
-        "prefix_caching": kv.prefix_caching,
+        "prefix_caching": kv.prefix_caching, "kv_format": engine.config.kv_cache_dtype,
+        "pinned": sorted(pool.pinned),
         "keys": None if kv.radix else list(pool.keys),  # BlockKeys are immutable: a shallow copy is a snapshot
         "generation": None if kv.radix else list(pool.generation),
         "free_order": None if kv.radix else list(pool._free),
@@ -90,14 +95,16 @@ def build(raw: dict) -> dict:
     for r in raw["requests"]:
         for q in r["seqs"]:
             state[q["private"]] = 7
+    state[raw["pinned"]] = 8
     state[BlockPool.NULL_BLOCK] = 0
     table = np.frombuffer(STATES.encode(), dtype=np.uint8)
     hits = np.asarray(raw["hits"], dtype=np.int64)
-    names = ("null", "free", "used", "shared", "cached", "used_cached", "shared_cached", "private")
+    names = ("null", "free", "used", "shared", "cached", "used_cached", "shared_cached", "private", "pinned")
     return {
         "version": VERSION, "time": raw["time"], "took_ms": raw["took_ms"],
         "pool": {"num_blocks": n, "block_size": raw["block_size"], "prefix_caching": raw["prefix_caching"],
-                 **{name: int(c) for name, c in zip(names, np.bincount(state, minlength=8))}},
+                 "kv_format": raw["kv_format"],
+                 **{name: int(c) for name, c in zip(names, np.bincount(state, minlength=len(names)))}},
         "states": table[state].tobytes().decode(),
         # held blocks' hashes (an idle cached block is shown by its chain in `prefix`): a few per request, not
         # one per cached block of a full pool
@@ -116,7 +123,8 @@ def _requests(engine, show_text: bool) -> list[dict]:
         if not running:
             continue
         item = {"id": rid, "status": running[0].status.value, "prompt_tokens": len(req.prompt_token_ids),
-                "prefix_hit_tokens": req.seqs[0].num_cached_tokens, "seqs": []}
+                "prefix_hit_tokens": req.seqs[0].num_cached_tokens, "kv_degradation": kv_degradation(req.seqs),
+                "seqs": []}
         if show_text:  # bounded: this runs on the engine thread
             item["text"] = req.prompt[:TEXT_CHARS] if req.prompt is not None else \
                 engine.tokenizer.decode(req.prompt_token_ids[:TEXT_CHARS // 4])[:TEXT_CHARS]

@@ -67,6 +67,35 @@ def test_the_snapshot_accounts_for_every_block(tiny_llama, algo):
     assert kv_snapshot.take(eng, show_text=True)["requests"][0]["text"]
 
 
+def test_the_snapshot_shows_pinned_blocks_the_format_and_what_pressure_did_to_each_request(tiny_llama):
+    """A pinned prefix's blocks are `P` (in use or not), the pool names its one KV format, and a request the pool
+    was too small for carries its preemption in `kv_degradation`, as its RequestOutput will."""
+    system = " ".join(f"w{i}" for i in range(40, 72))  # 32 tokens: two blocks, pinned
+    llm = LLM(tiny_llama, kv_cache_memory="40KiB", kv_pin_prefix=system, kv_cache_dtype="int8")  # 18 blocks
+    eng = llm.engine
+    pinned = set(eng.kv.pool.pinned)
+    assert len(pinned) == 2
+    for i in range(2):  # each grows to 12 blocks: two do not fit beside the pin
+        eng.add_request(f"r{i}", eng.tokenize(system) + list(range(100 + 8 * i, 108 + 8 * i)),
+                        SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))
+    snap = None
+    for _ in range(400):
+        eng.step()
+        reqs = eng.requests
+        if any(s.num_preemptions for r in reqs.values() for s in r.seqs if not s.is_finished):
+            snap = kv_snapshot.take(eng)
+            break
+    assert snap is not None, "no preemption: the pool is not as small as the test thinks"
+    assert {b for b, ch in enumerate(snap["states"]) if ch == "P"} == pinned
+    assert snap["pool"]["pinned"] == 2 and snap["pool"]["kv_format"] == "int8"
+    assert sum(v for k, v in snap["pool"].items() if k not in ("num_blocks", "block_size", "prefix_caching",
+                                                               "kv_format")) == snap["pool"]["num_blocks"]
+    degraded = {r["id"]: r["kv_degradation"] for r in snap["requests"]}
+    assert sorted(d["preemptions"] for d in degraded.values()) == [0, 1]
+    assert all(d["evicted_tokens"] == 0 and d["swapped_out"] == 0 for d in degraded.values())
+    eng.run_to_completion()
+
+
 @pytest.fixture(scope="module")
 def slow_live(tiny_llama):
     """A live server whose engine steps at most every 20 ms, so that requests stay running while a test looks."""
@@ -212,6 +241,8 @@ def test_the_page_in_a_headless_browser(slow_live, tmp_path):
         assert page["rows"] == [r["id"] for r in snap["requests"]] and len(page["rows"]) >= 2
         assert page["points"] == len(snap["history"]) >= 1
         assert page["usage"] == f"{100 * snap['health']['kv_usage']:.1f}%"
+        assert f"of {snap['pool']['kv_format']} KV" in page["pool"]
+        assert page["pressure"] == ["-"] * len(page["rows"])  # nothing degraded: the pool holds them all
         with httpx.Client(timeout=10) as c:  # the page draws what the API serves: the same document, the same pool
             api = c.get(f"{slow_live.url}/kv/snapshot", headers=AUTH).json()
         assert set(api) == set(snap) and api["pool"] == snap["pool"] and api["time"] >= snap["time"]
@@ -241,7 +272,9 @@ return {snap: snap, time: document.body.dataset.snapshotTime, cells: Number(canv
         counts: JSON.parse(canvas.dataset.counts),
         rows: [...document.querySelectorAll("#requests tbody tr")].map(r => r.dataset.request),
         points: Number(document.getElementById("chart-usage").dataset.points),
-        usage: document.querySelector('[data-figure="KV usage"] b').textContent};
+        usage: document.querySelector('[data-figure="KV usage"] b').textContent,
+        pool: document.getElementById("pool").textContent,
+        pressure: [...document.querySelectorAll("#requests tbody tr")].map(r => r.children[7].textContent)};
 """
 # The selected request, its blocks as the table and the block map give them, and the snapshot they were drawn from
 _READ_SELECTION = """
