@@ -151,7 +151,7 @@ def start_server(args, workdir: str, redis: Redis | None) -> tuple[subprocess.Po
     if redis is not None:
         serve_args += ["--kv-remote", f"redis://127.0.0.1:{redis.port}/0", "--kv-remote-timeout", "0.5"]
     log_path = os.path.join(workdir, "serve.log")
-    if args.replicas > 1:
+    if args.replicas > 1:  # start_replicas stops what it started if it fails
         proc, url = start_replicas([*serve_args, "--replicas", str(args.replicas)], log_path, 300)
         return proc, url, log_path
     port = free_port()
@@ -161,8 +161,9 @@ def start_server(args, workdir: str, redis: Redis | None) -> tuple[subprocess.Po
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_serving(url, proc, 300)
-    except RuntimeError:
+    except BaseException:  # Ctrl-C too: the server runs in a session of its own, nothing else would stop it
         proc.kill()
+        proc.wait()
         raise
     return proc, url, log_path
 
@@ -324,9 +325,11 @@ async def _drive(args, faults, proc, url, log_path, workdir, redis) -> dict:
                 return {}
 
         async def sampler() -> None:
-            while time.monotonic() < end:
+            k = 0
+            while (due := t0 + k * args.sample_interval) < end:  # on a fixed clock: a slow probe does not drift it
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
                 samples.append(await _sample(probe, url, proc, args.replicas, metrics, t0))
-                await asyncio.sleep(args.sample_interval)
+                k += 1
 
         async def injector() -> None:
             for name in sorted(faults, key=lambda f: FAULT_WINDOWS[f][0]):
@@ -334,11 +337,15 @@ async def _drive(args, faults, proc, url, log_path, workdir, redis) -> dict:
                 await asyncio.sleep(max(0.0, start - time.monotonic()))
                 before = await metrics()
                 began = time.monotonic() - t0
-                await asyncio.to_thread(_inject, name, True, workdir, redis, url)
-                await asyncio.sleep(max(0.0, stop - time.monotonic()))
-                await asyncio.to_thread(_inject, name, False, workdir, redis, url)
+                error = None
+                try:
+                    await asyncio.to_thread(_inject, name, True, workdir, redis, url)
+                    await asyncio.sleep(max(0.0, stop - time.monotonic()))
+                    await asyncio.to_thread(_inject, name, False, workdir, redis, url)
+                except Exception as e:  # noqa: BLE001 -- the harness's own failure: reported, the run goes on
+                    error = f"{type(e).__name__}: {e}"
                 fault_log.append({"fault": name, "start_s": round(began, 1), "end_s": round(time.monotonic() - t0, 1),
-                                  "before": before})
+                                  "before": before, "harness_error": error})
             await asyncio.sleep(max(0.0, end - time.monotonic()))
 
         await asyncio.gather(workload(url, args, t0, end, outcomes), sampler(), injector())
@@ -424,7 +431,7 @@ def summarize(args, faults, outcomes, samples, idle, fault_log, status, exit_s, 
         o.fault = next((f["fault"] for f in fault_log if o.sent <= f["end_s"] + GRACE_S and o.ended >= f["start_s"]),
                        None)
     unexpected = [o for o in outcomes if _is_5xx(o) and o.fault is None]
-    bad = [o for o in outcomes if o.kind == "bad"]
+    bad = [o for o in outcomes if o.kind == "bad" and o.fault is None]  # a fault may cut one off before its 4xx
     windows = []
     for w in range(int(args.duration // args.window + (args.duration % args.window > 0))):
         inside = [o for o in outcomes if w * args.window <= o.sent < (w + 1) * args.window]
@@ -439,7 +446,8 @@ def summarize(args, faults, outcomes, samples, idle, fault_log, status, exit_s, 
     since = max([warmup] + [f["end_s"] + GRACE_S for f in fault_log if f["fault"] == "replica"])
     after = [x for x in samples if x["t_s"] >= since and x["rss_mib"]]
     growth = _growth(after)
-    faults_ok = all(f["counted"] and f["requests_ok_after"] > 0 for f in fault_log) and len(fault_log) == len(faults)
+    faults_ok = len(fault_log) == len(faults) and all(
+        f["counted"] and f["requests_ok_after"] > 0 and f["harness_error"] is None for f in fault_log)
     verdicts = {
         "no_unexpected_5xx": not unexpected,
         "bad_requests_got_4xx": all(isinstance(o.status, int) and 400 <= o.status < 500 for o in bad),
@@ -472,17 +480,17 @@ def _by_kind(outcomes: list[Outcome]) -> dict:
 
 
 def _growth(after: list[dict]) -> dict:
-    """RSS growth in % from the first sample after the warm-up to the last; descriptors and threads: the median of
-    the last third of those samples less that of the first third (positive: growth)."""
+    """Growth over the samples after the warm-up: the median of their last third against that of their first third
+    (one late or early sample moves neither), RSS in %, descriptors and threads in counts (positive: growth)."""
     if len(after) < 3:
         return {"rss_pct": None, "fds": None, "threads": None}
     third = max(1, len(after) // 3)
 
-    def delta(key):
-        return float(np.median([x[key] for x in after[-third:]]) - np.median([x[key] for x in after[:third]]))
-    first, last = after[0]["rss_mib"], after[-1]["rss_mib"]
-    return {"rss_pct": round((last - first) / first * 100, 2), "rss_first_mib": first, "rss_last_mib": last,
-            "fds": delta("fds"), "threads": delta("threads")}
+    def medians(key):
+        return float(np.median([x[key] for x in after[:third]])), float(np.median([x[key] for x in after[-third:]]))
+    (rss0, rss1), (fd0, fd1), (th0, th1) = medians("rss_mib"), medians("fds"), medians("threads")
+    return {"rss_pct": round((rss1 - rss0) / rss0 * 100, 2), "rss_first_mib": rss0, "rss_last_mib": rss1,
+            "fds": fd1 - fd0, "threads": th1 - th0}
 
 
 def print_table(r: dict) -> None:
@@ -495,7 +503,8 @@ def print_table(r: dict) -> None:
               f"{w['ttft_p99_ms'] or '-':>8} {w['itl_p50_ms'] or '-':>8} {w['itl_p99_ms'] or '-':>8}")
     for f in r["faults"]:
         print(f"fault {f['fault']:<8} {f['start_s']:>7g}-{f['end_s']:<7g} s  counted: {f['counted']}  "
-              f"requests ok after: {f['requests_ok_after']}")
+              f"requests ok after: {f['requests_ok_after']}"
+              + (f"  (the harness failed: {f['harness_error']})" if f["harness_error"] else ""))
     g, e = r["growth_after_warmup"], r["exit"]
     print(f"after {g['warmup_s']:g} s warm-up: RSS {g.get('rss_first_mib', '-')} -> {g.get('rss_last_mib', '-')} MiB "
           f"({g['rss_pct']}%), fds {g['fds']:+}, threads {g['threads']:+}; idle blocks held: "

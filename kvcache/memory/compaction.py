@@ -56,10 +56,8 @@ class TableCompaction:
         entry = self._seqs.get(seq_id)
         if entry is not None and not (self.radix and fixed_blocks):  # fixed blocks stay in the table, locked
             del self._seqs[seq_id]
-            if entry.locked:
-                self.radix.unlock(entry.node)
-            if entry.family:
-                entry.family.remove(seq_id)
+            if self.radix:
+                self._release(seq_id, entry)
         self._compacted.add(seq_id)
         return table, new
 

@@ -17,7 +17,7 @@ taken with its first blocks, never cached or shared, and freed with its table.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvcache.memory.block_hash import BlockKey, chain_hashes
@@ -55,6 +55,7 @@ class _SeqCache:
     stopped: bool = False  # a block under one of its hashes is held with another chain: none more is registered
     snapshot: int | None = None  # recurrent state: the snapshot slot its prefix (find_prefix's) starts from
     family: list[int] | None = None  # radix: the sequences forked from one another, which share blocks (one list)
+    extra_locks: dict[int, RadixNode] = field(default_factory=dict)  # radix: by family member, see _lock_family
 
 
 class KVCacheManager(TableCompaction):
@@ -238,15 +239,35 @@ class KVCacheManager(TableCompaction):
             self.radix.evict(n - self.pool.num_free)
         return self.pool.allocate(n)
 
-    def _family_on(self, entry: _SeqCache, node) -> list[_SeqCache]:
-        """`entry` and the entries of its fork family that must lock `node`, the node its prefix now ends at. Forks
-        share their full blocks by reference, so when one of them hands those blocks to the radix tree, the others
-        hold tree blocks too: each that locks nothing or only an ancestor of `node` moves its lock to `node` (which
-        may cover more than it holds: that only protects more), or the tree would count as evictable blocks that
-        evicting does not free. One that locks another branch or a deeper node holds its path already."""
-        others = (self._seqs.get(s) for s in entry.family or ())
-        return [entry] + [e for e in others if e is not None and e is not entry
-                          and (not e.locked or self.radix.is_above(e.node, node))]
+    def _lock_family(self, seq_id: int, entry: _SeqCache, node) -> None:
+        """Lock `node`, the node the prefix of `seq_id` now ends at, for it and for its fork family. Forks share their
+        full blocks by reference, so when one of them hands those blocks to the radix tree, the others hold tree
+        blocks too and must lock them, or the tree would count as evictable blocks that evicting does not free.
+        A member that locks nothing or an ancestor of `node` moves its lock to `node`; one that locks another branch
+        (forked elsewhere, and cached its own) takes an extra lock on `node`, one per member that caused it, replaced
+        as that member goes deeper. A lock may cover more than its holder holds: that only protects more."""
+        self._move_lock(entry, node)
+        for other in entry.family or ():
+            e = self._seqs.get(other)
+            if e is None or e is entry or (e.locked and (e.node is node or self.radix.is_above(node, e.node))):
+                continue  # gone, or it locks `node`'s path already
+            if not e.locked or self.radix.is_above(e.node, node):
+                self._move_lock(e, node)
+            else:
+                self.radix.lock(node)
+                old = e.extra_locks.get(seq_id)
+                if old is not None:
+                    self.radix.unlock(old)
+                e.extra_locks[seq_id] = node
+
+    def _release(self, seq_id: int, entry: _SeqCache) -> None:
+        """Let go of every lock `entry` holds and leave its fork family."""
+        if entry.locked:
+            self.radix.unlock(entry.node)
+        for node in entry.extra_locks.values():
+            self.radix.unlock(node)
+        if entry.family:
+            entry.family.remove(seq_id)
 
     def _move_lock(self, entry: _SeqCache, node) -> None:
         """Lock `node` for `entry` and let go of the node it locked before (lock first: the paths may share)."""
@@ -309,8 +330,7 @@ class KVCacheManager(TableCompaction):
         if self.radix:
             hashes = self.block_hashes(seq_id, token_ids, extra)[:full] if self.events is not None else ()
             node, tree_blocks = self.radix.insert(token_ids[:full * bs], table[:full], entry.extra, hashes)
-            for member in self._family_on(entry, node):
-                self._move_lock(member, node)
+            self._lock_family(seq_id, entry, node)
             for i in range(entry.num_cached, full):
                 if table[i] != tree_blocks[i]:
                     self._swap(seq_id, i, tree_blocks[i])
@@ -457,6 +477,9 @@ class KVCacheManager(TableCompaction):
             self._seqs[child_id] = child
             if child.locked:
                 self.radix.lock(p.node)
+            for source, node in p.extra_locks.items():  # it holds the blocks those locks protect for its parent
+                self.radix.lock(node)
+                child.extra_locks[source] = node
         return copies
 
     def release_scrubbed(self, seq_id: int) -> list[int]:
@@ -508,10 +531,8 @@ class KVCacheManager(TableCompaction):
         if table:
             # Free newest first, so that a sequence's last blocks are evicted before its first ones.
             self.pool.free(table[::-1])
-        if entry is not None and entry.locked:
-            self.radix.unlock(entry.node)
-        if entry is not None and entry.family:
-            entry.family.remove(seq_id)
+        if entry is not None:
+            self._release(seq_id, entry)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no sequence holds; returns how many. Refuses while sequences hold blocks."""

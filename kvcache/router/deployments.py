@@ -71,8 +71,8 @@ class EngineReplica:
         aborted = await drain_engine(self.loop, timeout_s, f"replica {self.index}")
         self.server.should_exit = True
         await asyncio.to_thread(self.thread.join, FLUSH_S + 1)
-        self.loop.stop()
-        self.loop.engine.close()
+        await asyncio.to_thread(self.loop.stop)  # blocking joins and flushes: off the replica's event loop
+        await asyncio.to_thread(self.loop.engine.close)
         return aborted
 
     def check_health(self) -> None:

@@ -128,16 +128,21 @@ def _drain(serve, num_replicas: int, timeout_s: float, why: str) -> None:
     its engine. A replica that cannot be reached or does not answer in time is logged and skipped."""
     try:
         serve.get_app_handle("kvcache").begin_drain.remote().result(timeout_s=30)
-    except Exception as e:  # noqa: BLE001 -- not deployed yet, or its router is gone: the replicas still drain
+    except Exception as e:  # noqa: BLE001 -- not deployed yet (nothing to drain), or its router is gone
         log.warning("the router could not be told to refuse new requests: %s", _first_line(e))
     log.info("%s: draining %d replicas for up to %g s (--shutdown-timeout); new requests get 503", why,
              num_replicas, timeout_s)
-    calls = [serve.get_deployment_handle(f"replica-{i}", "kvcache").drain.remote(timeout_s)
-             for i in range(num_replicas)]  # all at once: they drain side by side
-    aborted = 0
-    for i, call in enumerate(calls):
+    calls = {}
+    for i in range(num_replicas):  # all at once: they drain side by side
         try:
-            aborted += call.result(timeout_s=timeout_s + FLUSH_S + 30)
+            calls[i] = serve.get_deployment_handle(f"replica-{i}", "kvcache").drain.remote(timeout_s)
+        except Exception as e:  # noqa: BLE001 -- not deployed yet: nothing of it to drain
+            log.warning("replica %d could not be drained: %s", i, _first_line(e))
+    deadline = time.monotonic() + timeout_s + FLUSH_S + 30  # one for all: a stuck replica does not add up
+    aborted = 0
+    for i, call in calls.items():
+        try:
+            aborted += call.result(timeout_s=max(1.0, deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 -- a dead or stuck replica: the others still drain
             log.warning("replica %d did not drain: %s", i, _first_line(e))
     log.info("replicas drained (%d requests aborted at the timeout); shutting Ray Serve down", aborted)

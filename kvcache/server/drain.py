@@ -57,7 +57,8 @@ class DrainingServer(uvicorn.Server):
             logging.shutdown()
             os._exit(SECOND_SIGNAL_STATUS)
         self.drained_by = name
-        if self._aio is None:  # uvicorn has not started its loop: nothing to drain
+        if self._aio is None or self._aio.is_closed():  # not serving yet, or no more: nothing to drain
+            log.info("%s: stopping", name)
             self.should_exit = True
             return
         self._aio.call_soon_threadsafe(self._start_drain)
@@ -66,9 +67,18 @@ class DrainingServer(uvicorn.Server):
         self._drain = asyncio.ensure_future(self.drain())
 
     async def drain(self) -> None:
-        """drain_engine, then let uvicorn shut down."""
-        await drain_engine(self.engine_loop, self.shutdown_timeout_s, self.drained_by)
-        self.should_exit = True
+        """drain_engine, then let uvicorn shut down (whatever happened in the drain)."""
+        try:
+            await drain_engine(self.engine_loop, self.shutdown_timeout_s, self.drained_by)
+        finally:
+            self.should_exit = True
+
+    def install_signals(self) -> None:
+        """Make handle_exit the handler of SIGTERM and SIGINT from now to the process's end: uvicorn installs it
+        only while it serves, then puts back what was there before, which is then this one (a signal before uvicorn
+        starts stops it at once; one while the engine closes after it lets the close finish; a second exits)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle_exit)
 
 
 async def drain_engine(loop: EngineLoop, timeout_s: float, why: str) -> int:

@@ -216,15 +216,17 @@ class EngineLoop:
 
     def _handle(self, cmd: _Add | tuple) -> None:
         if isinstance(cmd, _Add):
+            # open in _streams before it leaves the queue's count: num_open never misses it (a drain reads it)
+            self._streams[cmd.request_id] = cmd.stream
             self._taken += 1
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, stream=True,
                                         add_special_tokens=cmd.add_special_tokens, cache_salt=cmd.cache_salt,
                                         eviction=cmd.eviction)
             except Exception as e:  # noqa: BLE001 -- the handler turns it into an HTTP error
+                del self._streams[cmd.request_id]
                 _call(cmd.stream.loop, _settle, cmd.accepted, e)
                 return
-            self._streams[cmd.request_id] = cmd.stream
             _call(cmd.stream.loop, _settle, cmd.accepted, None)
         elif cmd[0] == "snapshot":
             _, future, loop, show_text = cmd

@@ -61,7 +61,7 @@ def capture(engine, show_text: bool = False) -> dict:
     kv, pool = engine.kv, engine.kv.pool
     raw = {
         "time": time.time(), "num_blocks": pool.num_blocks, "block_size": kv.block_size,
-        "prefix_caching": kv.prefix_caching, "kv_format": engine.config.kv_cache_dtype,
+        "prefix_caching": kv.prefix_caching, "kv_format": engine.kv_dtype,
         "pinned": sorted(pool.pinned),
         "keys": None if kv.radix else list(pool.keys),  # BlockKeys are immutable: a shallow copy is a snapshot
         "generation": None if kv.radix else list(pool.generation),

@@ -101,6 +101,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", args.host)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"), loop,
                             args.shutdown_timeout)
+    server.install_signals()
     return serve_until_dead(server, loop)
 
 

@@ -52,9 +52,8 @@ async def signal_while_open(proc, url: str, sig: int, streams: int, max_tokens: 
         await asyncio.wait_for(ready.wait(), 60)
         proc.send_signal(sig)
         proc.signalled_at = time.monotonic()
-        await asyncio.sleep(0.3)
+        health = await draining(client, url)
         new = await whole(client, url, 4)
-        health = await client.get(f"{url}/health")
         return await asyncio.gather(*tasks), await asyncio.gather(*whole_tasks), new, health
 
 
@@ -68,3 +67,14 @@ def assert_clean_log(text: str, last: str = "exiting (status 0)") -> None:
     """No traceback, and the shutdown's `last` line."""
     assert "Traceback" not in text and "Event loop is closed" not in text
     assert last in text
+
+
+async def draining(client: httpx.AsyncClient, url: str, timeout: float = 60) -> httpx.Response:
+    """GET /health until it answers 503 (the drain has begun; a loaded machine may take a while to run the signal's
+    handler): that response."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = await client.get(f"{url}/health")
+        if health.status_code == 503 or time.monotonic() > deadline:
+            return health
+        await asyncio.sleep(0.05)
