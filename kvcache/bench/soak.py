@@ -68,7 +68,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds before RSS growth is measured (default: 300, or a quarter of a shorter run)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=48, help="output tokens at most (default: %(default)s)")
-    p.add_argument("--kv-cache-memory", default="32MiB", help="the server's KV pool (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", default="256MiB", help="the server's KV pool (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=512, help="(default: %(default)s)")
     p.add_argument("--replicas", type=int, default=1, help="serve with --replicas (default: %(default)s)")
     p.add_argument("--faults", default=None, help="comma-separated, of redis, disk, replica (default: redis,disk, "
