@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
@@ -75,6 +76,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "and replica with --replicas > 1; '' for none)")
     p.add_argument("--shutdown-timeout", type=float, default=10, help="the server's (default: %(default)s)")
     p.add_argument("--redis-server", default="redis-server", help="the redis-server binary (default: %(default)s)")
+    p.add_argument("--redis-maxmemory", default="1gb",
+                   help="the Redis server's maxmemory, LRU-evicted beyond it (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--json", default="results/soak.json", help="(default: %(default)s; '' to skip)")
     p.add_argument("--plot", default="results/soak.png", help="(default: %(default)s; '' to skip)")
@@ -114,13 +117,16 @@ def run(args: argparse.Namespace) -> int:
 class Redis:
     """A redis-server of the soak's own, on a free port, killed and restarted by the `redis` fault."""
 
-    def __init__(self, binary: str, directory: str) -> None:
-        self.binary, self.dir, self.port, self.proc = binary, directory, free_port(), None
+    def __init__(self, binary: str, directory: str, maxmemory: str) -> None:
+        self.binary, self.dir, self.maxmemory, self.port, self.proc = binary, directory, maxmemory, free_port(), None
 
     def start(self) -> None:
-        """Start it and wait (10 s at most) until it answers PING."""
+        """Start it as a cache (maxmemory, least recently used keys evicted: how the tier is meant to be deployed,
+        docs/tiers.md; unbounded, the engine's write-through fills the machine's memory within the hour) and wait
+        (10 s at most) until it answers PING."""
         self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-                                      "--save", "", "--appendonly", "no"],
+                                      "--save", "", "--appendonly", "no", "--maxmemory", self.maxmemory,
+                                      "--maxmemory-policy", "allkeys-lru"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -291,7 +297,7 @@ async def workload(url: str, args, t0: float, end: float, outcomes: list[Outcome
 
 def soak(args, faults: list[str]) -> dict:
     workdir = tempfile.mkdtemp(prefix="kvcache-soak-")
-    redis = Redis(args.redis_server, workdir) if "redis" in faults else None
+    redis = Redis(args.redis_server, workdir, args.redis_maxmemory) if "redis" in faults else None
     if redis is not None:
         redis.start()
     try:
@@ -328,8 +334,8 @@ async def _drive(args, faults, proc, url, log_path, workdir, redis) -> dict:
             k = 0
             while (due := t0 + k * args.sample_interval) < end:  # on a fixed clock: a slow probe does not drift it
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
-                samples.append(await _sample(probe, url, proc, args.replicas, metrics, t0))
-                k += 1
+                samples.append(await _sample(probe, url, proc, args.replicas, metrics, t0, redis))
+                k = max(k + 1, math.ceil((time.monotonic() - t0) / args.sample_interval))  # slots a stall missed
 
         async def injector() -> None:
             for name in sorted(faults, key=lambda f: FAULT_WINDOWS[f][0]):
@@ -350,7 +356,7 @@ async def _drive(args, faults, proc, url, log_path, workdir, redis) -> dict:
 
         await asyncio.gather(workload(url, args, t0, end, outcomes), sampler(), injector())
         await asyncio.sleep(3)  # idle: every request has ended
-        idle = await _sample(probe, url, proc, args.replicas, metrics, t0)
+        idle = await _sample(probe, url, proc, args.replicas, metrics, t0, redis)
         final = await metrics()
     for f in fault_log:
         f["counted"] = _counted(f.pop("before"), final, f["fault"])
@@ -392,7 +398,7 @@ def disk_unwritable(path: str, on: bool) -> None:
         os.rename(path + ".aside", path)
 
 
-async def _sample(probe, url, proc, replicas: int, metrics, t0: float) -> dict:
+async def _sample(probe, url, proc, replicas: int, metrics, t0: float, redis: Redis | None) -> dict:
     m = await metrics()
     pids = [proc.pid]
     if replicas > 1:
@@ -400,7 +406,9 @@ async def _sample(probe, url, proc, replicas: int, metrics, t0: float) -> dict:
             pids = [r["pid"] for r in (await probe.get(f"{url}/replicas")).json()["replicas"] if "pid" in r]
         except Exception:  # noqa: BLE001
             pids = []
+    alive_redis = [redis.proc.pid] if redis is not None and redis.proc.poll() is None else []
     return {"t_s": round(time.monotonic() - t0, 1), **proc_sample(pids),
+            "redis_rss_mib": proc_sample(alive_redis)["rss_mib"] if redis is not None else None,
             "blocks_used": m.get("kvcache:kv_blocks{state=used}"),
             "running": m.get("kvcache:num_requests_running"), "waiting": m.get("kvcache:num_requests_waiting")}
 
