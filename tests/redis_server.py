@@ -5,9 +5,10 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 
 import pytest
+
+from kvcache.parallel.host import redis_answers
 
 
 class RedisServer:
@@ -26,15 +27,8 @@ class RedisServer:
         self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                                       "--save", "", "--appendonly", "no"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
+        if redis_answers(self.port):
+            return
         self.stop()
         pytest.fail(f"redis-server did not answer on port {self.port} within 10 s")
 

@@ -22,7 +22,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvcache.bench.report import write_json
-from kvcache.parallel.host import free_port
+from kvcache.parallel.host import free_port, redis_answers
 
 WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
          "word but not what all were we when your can said there use an each which she do how their if will up "
@@ -128,16 +127,8 @@ class Redis:
                                       "--save", "", "--appendonly", "no", "--maxmemory", self.maxmemory,
                                       "--maxmemory-policy", "allkeys-lru"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not answer on port {self.port} within 10 s")
+        if not redis_answers(self.port):
+            raise RuntimeError(f"redis-server did not answer on port {self.port} within 10 s")
 
     def kill(self) -> None:
         if self.proc is not None:

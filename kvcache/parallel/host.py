@@ -1,6 +1,7 @@
 """What the processes of this machine share: a free loopback port, the cores this process may use."""
 import os
 import socket
+import time
 
 
 def free_port() -> int:
@@ -8,6 +9,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def redis_answers(port: int, timeout: float = 10.0) -> bool:
+    """Whether a Redis server on 127.0.0.1:`port` answers PING within `timeout` seconds (one just started may not
+    listen yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return False
 
 
 def usable_cores() -> int:
