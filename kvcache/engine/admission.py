@@ -114,10 +114,7 @@ class RequestAdmission:
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; ValueError if the tokenizer cannot encode it (a lone surrogate, for one)."""
-        try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        except Exception as e:  # tokenizers raise TypeError/exceptions of their own on bad text
-            raise ValueError(f"the prompt cannot be tokenized: {type(e).__name__}: {e}") from None
+        return encode_prompt(self.tokenizer, text, add_special_tokens)
 
     def _new_seq(self, req: Request, index: int, max_tokens: int) -> Sequence:
         gen = None
@@ -138,3 +135,11 @@ class RequestAdmission:
                 self.drafter.free(seq.seq_id)
         self._count_finished("abort")
         return True
+
+
+def encode_prompt(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """`tokenizer`'s ids of `text`; ValueError if it cannot encode it (a lone surrogate, for one)."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as e:  # tokenizers raise TypeError/exceptions of their own on bad text
+        raise ValueError(f"the prompt cannot be tokenized: {type(e).__name__}: {e}") from None

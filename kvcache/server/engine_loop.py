@@ -28,12 +28,17 @@ from kvcache.engine.sampling_params import SamplingParams
 from kvcache.server import kv_snapshot
 
 log = logging.getLogger("kvcache.server")
-__all__ = ["EngineDeadError", "EngineLoop", "ServerShuttingDown"]
+__all__ = ["EngineDeadError", "EngineLoop", "EngineRequestError", "ServerShuttingDown"]
 
 
 class ServerShuttingDown(EngineDeadError):
     """The server is shutting down (a drain, server/drain.py): the request was refused, or aborted at the drain's
     timeout."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine could not take a request for a reason that is the server's fault, not the client's (the engine
+    process could not decode it, say): a 500 naming why."""
 
 
 @dataclass(slots=True)
@@ -96,6 +101,8 @@ def build_engine(config) -> LLMEngine:
 
 class EngineLoop:
     """Runs `engine.step()` in a thread while requests are unfinished; sleeps on the command queue otherwise."""
+
+    build_snapshot = staticmethod(kv_snapshot.build)  # request_snapshot settles with capture()'s copies
 
     def __init__(self, engine: LLMEngine, metrics=None, log_interval_s: float = 10.0,
                  on_dead: Callable[[], None] | None = None) -> None:

@@ -81,7 +81,7 @@ class KVPage:
     lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        self.hub = SnapshotHub(self._request_snapshot, self.health, self.interval_s)
+        self.hub = SnapshotHub(self._request_snapshot, self.health, self.interval_s, self.loop.build_snapshot)
         self.page = resources.files("kvcache.server").joinpath("static/kv.html").read_text()
         self.login = resources.files("kvcache.server").joinpath("static/kv_login.html").read_text()
 

@@ -223,8 +223,10 @@ class SnapshotHub:
     concurrent callers share that one. The health figures are added here, off the engine thread, from the metrics
     (`health()`), and kept in a short history."""
 
-    def __init__(self, request, health, interval_s: float = 1.0) -> None:
+    def __init__(self, request, health, interval_s: float = 1.0, build_raw=build) -> None:
         self.request = request  # (future, loop) -> None: the engine thread will take a snapshot and settle it
+        self.build_raw = build_raw  # what the request settles with -> the snapshot (`build`; the engine process
+        # sends its snapshots built)
         self.health = health  # () -> dict: kvcache top's figures and warnings now
         self.interval_s = interval_s
         self.latest: dict | None = None
@@ -246,7 +248,7 @@ class SnapshotHub:
         loop = asyncio.get_running_loop()
         taken = loop.create_future()
         self.request(taken, loop)  # settled with capture()'s copies
-        snap = dict(await asyncio.to_thread(build, await taken), interval_s=self.interval_s)
+        snap = dict(await asyncio.to_thread(self.build_raw, await taken), interval_s=self.interval_s)
         snap["health"] = await asyncio.to_thread(self.health)
         self.record(snap["health"])
         with self._lock:  # the history thread appends meanwhile: a deque cannot be iterated while it grows

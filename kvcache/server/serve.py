@@ -36,6 +36,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kv-page", action="store_true", help="do not serve the live KV cache page (/kv)")
     p.add_argument("--kv-page-show-text", action="store_true",
                    help="show each request's prompt text on the KV page (prompts are user data: off by default)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own, behind ZMQ: this process parses HTTP, tokenizes "
+                        "and streams while the engine schedules and steps, each with its own GIL (default: off, "
+                        "the engine runs on a thread of this process)")
     p.add_argument("--replicas", type=int, default=1,
                    help="engine replicas on Ray Serve behind one ingress (a local Ray cluster is started; needs "
                         "pip install 'ray[serve]') (default: %(default)s, no Ray)")
@@ -58,18 +62,24 @@ def model_name(path: str | None, given: str | None) -> str:
 
 def create(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
            max_waiting_requests: int = 512, max_body_bytes: int = 4 * 2**20, log_interval_s: float = 10.0,
-           kv_page_on: bool = True, kv_page_show_text: bool = False):
-    """Build the engine, its loop (started) and the app; returns (app, loop)."""
+           kv_page_on: bool = True, kv_page_show_text: bool = False, engine_process: bool = False):
+    """Build the engine, its loop (started) and the app; returns (app, loop). With `engine_process` the engine
+    runs in a process of its own and the loop is its EngineClient (server/engine_client.py)."""
     from kvcache.server.app import build_app
-    from kvcache.server.engine_loop import EngineLoop, build_engine
-    from kvcache.server.metrics import ServerMetrics
 
     if max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {max_waiting_requests}")
-    engine = build_engine(config)
     name = model_name(config.model, served_model_name)
-    metrics = ServerMetrics(engine, name)
-    loop = EngineLoop(engine, metrics, log_interval_s)
+    if engine_process:
+        from kvcache.server.engine_client import EngineClient
+        loop = EngineClient(config, name, log_interval_s)
+        metrics = loop.metrics
+    else:
+        from kvcache.server.engine_loop import EngineLoop, build_engine
+        from kvcache.server.metrics import ServerMetrics
+        engine = build_engine(config)
+        metrics = ServerMetrics(engine, name)
+        loop = EngineLoop(engine, metrics, log_interval_s)
     loop.start()
     return build_app(loop, name, metrics, api_key, max_waiting_requests, max_body_bytes, kv_page_on,
                      kv_page_show_text), loop
@@ -81,6 +91,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if not args.shutdown_timeout >= 0:  # NaN too
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if getattr(args, "engine_process", False) and args.replicas != 1:
+        raise ValueError("--engine-process runs one engine beside this process; with --replicas each replica runs "
+                         "its own engine in-process (drop one of the two)")
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -94,7 +107,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     with _stop_on_signal() as stopped:  # loading the weights, building the engine
         app, loop = create(config, args.served_model_name, args.api_key or None, args.max_waiting_requests,
                            parse_bytes(args.max_request_body), args.log_interval, not args.no_kv_page,
-                           args.kv_page_show_text)
+                           args.kv_page_show_text, args.engine_process)
     if stopped:
         return 0
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

@@ -41,9 +41,12 @@ def serve(model_dir: str, log_path, shutdown_timeout: float, *extra: str) -> tup
     return proc, url
 
 
-def test_sigterm_aborts_what_the_timeout_leaves_with_an_error_event_and_done(tiny_llama, tmp_path):
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_sigterm_aborts_what_the_timeout_leaves_with_an_error_event_and_done(tiny_llama, tmp_path, where):
+    """The same with the engine on a thread of the server or in a process of its own (--engine-process)."""
     log_path = tmp_path / "serve.log"
-    proc, url = serve(tiny_llama, log_path, 0.5, "--max-num-seqs", "2")
+    proc, url = serve(tiny_llama, log_path, 0.5, "--max-num-seqs", "2",
+                      *(["--engine-process"] if where == "process" else []))
     try:
         events, wholes, new, health = asyncio.run(signal_while_open(proc, url, signal.SIGTERM, 8, LONG, 2, 2))
         assert proc.wait(timeout=0.5 + FLUSH_S + 20) == 0

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from kvcache.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from kvcache.server.engine_loop import EngineDeadError
-from kvcache.server.errors import engine_dead
+from kvcache.server.engine_loop import EngineDeadError, EngineRequestError
+from kvcache.server.errors import engine_dead, engine_failed
 from kvcache.server.outputs import LogprobShape, collect, response_body
 from kvcache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvcache.server.request_params import (
@@ -103,4 +103,6 @@ async def _enqueue(state: ServerState, req, rid: str, ids: list[str], prompts: l
             raise engine_dead(rid, e)
         if isinstance(e, ValueError):
             raise APIError(400, str(e), param=param_of(str(e)))
+        if isinstance(e, EngineRequestError):
+            raise engine_failed(rid, str(e))
         raise e
