@@ -44,6 +44,8 @@ from kvcache.server.engine_loop import (
 
 log = logging.getLogger("kvcache.server")
 WATCH_S = 0.1  # the receiver's poll: how soon a dead engine process is noticed
+SEND_TIMEOUT_MS = 5000  # a send the engine process has not taken in this long fails (it has stopped reading)
+EXIT_WAIT_S = 5.0  # for an engine process that said it closed unasked to exit, before it is killed
 STOP_TIMEOUT_S = 30.0  # for the engine process to close its engine (the offload writer's queue) and exit
 
 
@@ -108,13 +110,14 @@ class EngineClient:
         self._dir = tempfile.mkdtemp(prefix="kvcache-engine-")
         self._ctx = zmq.Context()
         self._tx, self._rx = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        self._tx.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         to_engine, from_engine = (f"ipc://{os.path.join(self._dir, name)}" for name in ("in", "out"))
         self._tx.bind(to_engine)
         self._rx.bind(from_engine)
         with open(os.path.join(self._dir, "args.pickle"), "wb") as f:  # a directory of ours (mode 0700)
             pickle.dump({"config": config, "model_name": model_name, "to_engine": to_engine,
                          "from_engine": from_engine, "log_interval_s": log_interval_s,
-                         "log_level": logging.getLogger().level}, f)
+                         "log_level": logging.getLogger().level, "parent": os.getpid()}, f)
         # a fresh interpreter (not multiprocessing's spawn, which would import this process's __main__ again)
         self.process = subprocess.Popen([sys.executable, "-m", "kvcache.server.engine_core", self._dir])
         try:
@@ -154,16 +157,17 @@ class EngineClient:
         `timeout` seconds. Every request still open gets ServerShuttingDown."""
         self._stopping = True
         if self.process.poll() is None:
-            self._send([b"stop"])
+            self._send([b"stop"])  # if it is not taken, the wait below ends in a kill
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 log.error("the engine process did not exit within %.0f s of stop; killing it", timeout)
                 self._kill()
-        if self._thread.ident is not None:
-            self._thread.join(2 * WATCH_S + 1)
+        if self._thread.ident is not None:  # it ends once the process has (it reads what is left first)
+            self._thread.join(10)
         self._fail_all(ServerShuttingDown("the server is shutting down"))
-        self._close_sockets()
+        if not self._thread.is_alive():  # never close a socket another thread is in
+            self._close_sockets()
 
     def _kill(self) -> None:
         self.process.kill()
@@ -222,9 +226,10 @@ class EngineClient:
                 raise ServerShuttingDown("the server is shutting down")
             if not self.running:
                 raise EngineDeadError("the engine process is not running")
+            if not self._send_locked([b"add", request_id.encode(), body]):
+                raise EngineDeadError("the engine process is not taking requests")
             self._streams[request_id] = stream
             self._accepting[request_id] = accepted
-            self._tx.send_multipart([b"add", request_id.encode(), body])
         return stream.queue, accepted
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams, add_special_tokens: bool = True,
@@ -243,22 +248,40 @@ class EngineClient:
                 loop.call_soon_threadsafe(_settle, future, EngineDeadError("the engine process is not running"))
                 return
             ask = str(next(self._snapshot_ids)).encode()
+            if not self._send_locked([b"snapshot", ask, wire.pack(show_text)]):
+                loop.call_soon_threadsafe(_settle, future, EngineDeadError("the engine process is not answering"))
+                return
             self._snapshots[ask] = (future, loop)
-            self._tx.send_multipart([b"snapshot", ask, wire.pack(show_text)])
 
-    def _send(self, frames: list[bytes]) -> None:
+    def _send(self, frames: list[bytes]) -> bool:
+        """Send under the lock; False (logged) if the engine process did not take it within SEND_TIMEOUT_MS."""
         with self._lock:
+            return self._send_locked(frames)
+
+    def _send_locked(self, frames: list[bytes]) -> bool:
+        import zmq
+        try:
             self._tx.send_multipart(frames)
+            return True
+        except zmq.ZMQError as e:
+            log.error("a %r message to the engine process was not sent: %s", frames[0], e)
+            return False
 
     def _forget(self, rid: str, last, abort: bool) -> None:
-        """Close `rid`'s stream with `last` (and abort it in the engine process)."""
+        """Close `rid`'s stream with `last` (and abort it in the engine process). A request the engine has not
+        said it took yet is settled as taken, or with `last` where that is an error, as EngineLoop, which takes
+        an add before the abort queued after it, would have it."""
         with self._lock:
             stream = self._streams.pop(rid, None)
+            accepted = self._accepting.pop(rid, None)
             self._prompts.pop(rid, None)
             if abort and self.process.poll() is None:
-                self._tx.send_multipart([b"abort", rid.encode()])
-        if stream is not None:
-            _post(stream, last)
+                self._send_locked([b"abort", rid.encode()])
+        if stream is None:
+            return
+        if accepted is not None:
+            _call(stream.loop, _settle, accepted, last if isinstance(last, BaseException) else None)
+        _post(stream, last)
 
     # ---- the receiver thread ------------------------------------------------------------------------
 
@@ -268,9 +291,13 @@ class EngineClient:
                 if self._rx.poll(int(WATCH_S * 1000)):
                     self._dispatch(self._rx.recv_multipart())
                 elif self.process.poll() is not None:
-                    if not self._stopping:
-                        self._died()
-                    return
+                    break
+            if not self._stopping:  # it closed or exited without being asked: its engine stopped
+                try:
+                    self.process.wait(EXIT_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    self._kill()
+                self._died()
         except Exception as e:  # noqa: BLE001 -- the sockets closed under it (stop), or a bug: no request hangs
             if not self._stopping:
                 log.exception("the engine client's receiver stopped")
@@ -291,9 +318,11 @@ class EngineClient:
         kind = frames[0]
         try:
             if kind == b"outputs":
-                self._counts = tuple(wire.unpack(frames[1]))
                 for i in range(2, len(frames) - 1, 2):
-                    self._deliver(frames[i].decode(), frames[i + 1])
+                    self._deliver(frames[i].decode(errors="replace"), frames[i + 1])
+                self._counts = tuple(wire.unpack(frames[1]))
+            elif kind == b"counts":
+                self._counts = tuple(wire.unpack(frames[1]))
             elif kind == b"added":
                 self._added(frames[1].decode(), frames[2].decode())
             elif kind == b"metrics":
@@ -313,7 +342,7 @@ class EngineClient:
             stream = self._streams.get(rid)
             if error:
                 self._streams.pop(rid, None)
-        if accepted is None or stream is None:
+        if accepted is None or stream is None:  # aborted meanwhile: _forget settled it
             return
         if not error:
             _call(stream.loop, _settle, accepted, None)
@@ -327,7 +356,10 @@ class EngineClient:
         if stream is None:
             return
         try:
-            out, self._prompts[rid] = wire.unpack_output(rid, body, self._prompts.get(rid))
+            out, ids = wire.unpack_output(rid, body, self._prompts.get(rid))
+            with self._lock:  # not for a request aborted meanwhile: its entry would stay
+                if rid in self._streams:
+                    self._prompts[rid] = ids
         except wire.WireError as e:
             log.error("request %s: %s", rid, e)
             out = RequestOutput(rid, None, self._prompts.get(rid, []), [], True, RequestMetrics(time.monotonic()),
@@ -345,10 +377,14 @@ class EngineClient:
         if waiter is None:
             return
         future, loop = waiter
+        try:
+            snap = None if error else wire.unpack(body)
+        except wire.WireError as e:
+            error = str(e)
         if error:
             _call(loop, _settle, future, RuntimeError(f"taking the KV snapshot failed: {error}"))
         else:
-            _call(loop, _settle, future, None, wire.unpack(body))
+            _call(loop, _settle, future, None, snap)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
@@ -356,13 +392,14 @@ class EngineClient:
             accepting, self._accepting = self._accepting, {}
             snapshots, self._snapshots = self._snapshots, {}
             self._prompts.clear()
+        fresh = lambda: type(error)(str(error))  # noqa: E731 -- one exception per waiter, as EngineLoop's _dead
         for rid, stream in streams.items():
             if rid in accepting:
-                _call(stream.loop, _settle, accepting[rid], error)
+                _call(stream.loop, _settle, accepting[rid], fresh())
             else:
-                _post(stream, error)
+                _post(stream, fresh())
         for future, loop in snapshots.values():
-            _call(loop, _settle, future, error)
+            _call(loop, _settle, future, fresh())
 
 
 def exit_status(process: subprocess.Popen) -> str:

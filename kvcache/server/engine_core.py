@@ -27,13 +27,14 @@ SEND_TIMEOUT_MS = 10_000  # a send that the API process has not taken in this lo
 IDLE_POLL_MS = 500  # how long an idle engine sleeps on its socket before it checks that its parent is there
 
 
-def run(config, model_name: str, to_engine: str, from_engine: str, log_interval_s: float, log_level: int) -> None:
-    """The engine process's body: connect, build, serve until "stop" or the parent's end."""
+def run(config, model_name: str, to_engine: str, from_engine: str, log_interval_s: float, log_level: int,
+        parent: int) -> None:
+    """The engine process's body: connect, build, serve until "stop" or the end of `parent` (the API process's
+    pid)."""
     import zmq
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    parent = os.getppid()
     ctx = zmq.Context()
     rx, tx = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     tx.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
@@ -92,7 +93,8 @@ class EngineCore:
         poller.register(rx, zmq.POLLIN)
         while not self.stopping:
             busy = self.engine.has_unfinished_requests()
-            if not busy and self.metrics_stale:  # idle now: the metrics' last word on the work, before sleeping
+            if not busy and self.metrics_stale:  # idle now: the last word on the work, before sleeping
+                self._send_counts()
                 self._send_metrics()
             if poller.poll(0 if busy else IDLE_POLL_MS):
                 while True:
@@ -100,6 +102,7 @@ class EngineCore:
                         self.handle(rx.recv_multipart(zmq.NOBLOCK))
                     except zmq.Again:
                         break
+                self._send_counts()  # what it took is waiting now (the API process's queue limit reads it)
             if os.getppid() != parent:  # busy or not: its outputs would queue for no one
                 log.error("the API process has gone; the engine process stops")
                 return
@@ -117,7 +120,7 @@ class EngineCore:
                 for rid in list(self.open):
                     self._abort(rid)
             elif kind == b"snapshot":
-                self._snapshot(frames[1], wire.unpack(frames[2]))
+                self._snapshot(frames[1], frames[2])
             elif kind == b"stop":
                 self.stopping = True
             else:
@@ -149,10 +152,10 @@ class EngineCore:
             self.metrics.on_abort(rid)
             self.metrics_stale = True
 
-    def _snapshot(self, ask_id: bytes, show_text: bool) -> None:
+    def _snapshot(self, ask_id: bytes, show_text: bytes) -> None:
         from kvcache.server import kv_snapshot
         try:
-            body, error = wire.pack(kv_snapshot.take(self.engine, bool(show_text))), b""
+            body, error = wire.pack(kv_snapshot.take(self.engine, bool(wire.unpack(show_text)))), b""
         except Exception as e:  # noqa: BLE001 -- a page must not take the engine down: the viewer gets the error
             log.exception("taking the KV snapshot failed")
             body, error = b"", f"{type(e).__name__}: {e}".encode()
@@ -161,12 +164,19 @@ class EngineCore:
     def step(self) -> None:
         outputs = self.engine.step()
         now = time.monotonic()
-        frames = [b"outputs", wire.pack([len(self.engine.scheduler.waiting), len(self.engine.scheduler.running)])]
+        frames = [b"outputs", self._counts()]
         for out in outputs:
             if out.request_id not in self.open:
                 continue
             first = out.request_id not in self.sent_prompt
-            frames += [out.request_id.encode(), wire.pack_output(out, first)]
+            try:
+                body = wire.pack_output(out, first)
+            except Exception as e:  # noqa: BLE001 -- one request's output: it fails alone
+                log.exception("request %s: its output could not be encoded", out.request_id)
+                self.engine.abort_request(out.request_id)
+                out = failed_output(out, f"the engine process could not encode its output: {type(e).__name__}")
+                body = wire.pack_output(out, first)
+            frames += [out.request_id.encode(), body]
             if out.finished:
                 self.open.discard(out.request_id)
                 self.sent_prompt.discard(out.request_id)
@@ -184,6 +194,12 @@ class EngineCore:
         if now - self.metrics_time >= METRICS_EVERY_S:
             self._send_metrics()
 
+    def _counts(self) -> bytes:
+        return wire.pack([len(self.engine.scheduler.waiting), len(self.engine.scheduler.running)])
+
+    def _send_counts(self) -> None:
+        self.tx.send_multipart([b"counts", self._counts()])
+
     def _send_metrics(self) -> None:
         self.metrics_time, self.metrics_stale = time.monotonic(), False
         self.tx.send_multipart([b"metrics", self.metrics.render()])
@@ -194,6 +210,13 @@ class EngineCore:
             self._abort(rid)
         self.engine.close()
         log.info("engine process: engine closed")
+
+
+def failed_output(out, error: str):
+    """`out` as the last output of a request that failed with `error` (its samples' text and logprobs dropped)."""
+    from kvcache.engine.outputs import CompletionOutput, RequestOutput
+    samples = [CompletionOutput(c.index, "", [], "error") for c in out.outputs]
+    return RequestOutput(out.request_id, None, list(out.prompt_token_ids), samples, True, out.metrics, error)
 
 
 def main(directory: str) -> None:

@@ -32,13 +32,14 @@ class WireError(ValueError):
 
 
 def pack(obj) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    # strings pass as they are, lone surrogates too (JSON lets a client send "\ud800"; the engine thread takes it)
+    return msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
 
 
 def unpack(frame: bytes):
     """The frame's value; WireError if it is not msgpack."""
     try:
-        return msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        return msgpack.unpackb(frame, raw=False, strict_map_key=False, unicode_errors="surrogatepass")
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ValueError)
         raise WireError(f"a frame of {len(frame)} bytes is not msgpack: {type(e).__name__}: {e}") from None
 

@@ -93,6 +93,7 @@ def test_metrics_health_and_the_kv_page_come_from_the_engine_process(remote):
         time.sleep(0.05)
     samples = scrape(remote.url)
     assert samples["kvcache:num_requests_running"] == 0 and samples["kvcache:kv_blocks{state=used}"] == 0
+    assert remote.loop.num_waiting == 0 and remote.loop.num_running == 0  # the queue limit's counts, idle
     assert httpx.get(f"{remote.url}/health").status_code == 200
     snap = httpx.get(f"{remote.url}/kv/snapshot", headers=H).json()
     idle = samples["kvcache:kv_blocks{state=free}"] + samples["kvcache:kv_blocks{state=cached}"]
@@ -165,6 +166,44 @@ def test_a_dead_engine_process_fails_every_open_request(tiny_llama):
         assert httpx.get(f"{srv.url}/health").status_code == 503
         r = httpx.post(f"{srv.url}/v1/completions", headers=H, json={"model": MODEL, "prompt": [1], "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    finally:
+        srv.stop()
+
+
+def test_an_engine_that_stops_unasked_fails_every_open_request(tiny_llama):
+    """The engine process ends its loop on an exception (EngineDeadError: a rank died, steps kept failing): it
+    closes and says so, unasked. Stood in for here by a "closed" frame on the client's socket: the client takes it
+    as the engine's death (the process is killed if it lingers) and fails what is open, as for a crash."""
+    import zmq
+    srv = start_server(tiny_llama, engine_process=True)
+    dead = threading.Event()
+    srv.loop.on_dead = dead.set
+    try:
+        events, started = [], threading.Event()
+
+        def stream():
+            body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 480, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=H, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"ipc://{srv.loop._dir}/out")
+        push.send_multipart([b"closed"])
+        t.join(30)
+        push.close(linger=0)
+        ctx.term()
+        assert not t.is_alive(), "the stream hung on an engine that stopped"
+        assert dead.wait(5)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead"
+        assert srv.loop.process.poll() is not None
+        assert httpx.get(f"{srv.url}/health").status_code == 503
     finally:
         srv.stop()
 
