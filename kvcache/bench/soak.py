@@ -165,6 +165,21 @@ def start_server(args, workdir: str, redis: Redis | None) -> tuple[subprocess.Po
     return proc, url, log_path
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc: the engine process, tensor-parallel ranks' parent)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            if ppid == pid:
+                out.append(int(entry))
+    return out
+
+
 def proc_sample(pids: list[int]) -> dict:
     """RSS (MiB), open descriptors and threads, summed over `pids` (a process that is gone counts nothing)."""
     rss = fds = threads = 0
@@ -391,7 +406,7 @@ def disk_unwritable(path: str, on: bool) -> None:
 
 async def _sample(probe, url, proc, replicas: int, metrics, t0: float, redis: Redis | None) -> dict:
     m = await metrics()
-    pids = [proc.pid]
+    pids = [proc.pid, *child_pids(proc.pid)]  # the engine process (--engine-process, the default) is a child
     if replicas > 1:
         try:
             pids = [r["pid"] for r in (await probe.get(f"{url}/replicas")).json()["replicas"] if "pid" in r]

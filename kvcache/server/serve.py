@@ -1,4 +1,5 @@
-"""`kvcache serve`: load the model, start the engine loop, serve the API with uvicorn."""
+"""`kvcache serve`: load the model, start the engine (in a process of its own, or on a thread: the loop), serve the
+API with uvicorn."""
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kv-page", action="store_true", help="do not serve the live KV cache page (/kv)")
     p.add_argument("--kv-page-show-text", action="store_true",
                    help="show each request's prompt text on the KV page (prompts are user data: off by default)")
-    p.add_argument("--engine-process", action="store_true",
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in a process of its own, behind ZMQ: this process parses HTTP, tokenizes "
-                        "and streams while the engine schedules and steps, each with its own GIL (default: off, "
-                        "the engine runs on a thread of this process)")
+                        "and streams while the engine schedules and steps, each with its own GIL; "
+                        "--no-engine-process runs it on a thread of this process (default: on; with --replicas each "
+                        "replica runs its engine in-process)")
     p.add_argument("--replicas", type=int, default=1,
                    help="engine replicas on Ray Serve behind one ingress (a local Ray cluster is started; needs "
                         "pip install 'ray[serve]') (default: %(default)s, no Ray)")
@@ -91,7 +93,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if not args.shutdown_timeout >= 0:  # NaN too
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    if getattr(args, "engine_process", False) and args.replicas != 1:
+    if getattr(args, "engine_process", None) and args.replicas != 1:
         raise ValueError("--engine-process runs one engine beside this process; with --replicas each replica runs "
                          "its own engine in-process (drop one of the two)")
 
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     with _stop_on_signal() as stopped:  # loading the weights, building the engine
         app, loop = create(config, args.served_model_name, args.api_key or None, args.max_waiting_requests,
                            parse_bytes(args.max_request_body), args.log_interval, not args.no_kv_page,
-                           args.kv_page_show_text, args.engine_process)
+                           args.kv_page_show_text, args.engine_process is not False)
     if stopped:
         return 0
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

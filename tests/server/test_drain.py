@@ -46,7 +46,7 @@ def test_sigterm_aborts_what_the_timeout_leaves_with_an_error_event_and_done(tin
     """The same with the engine on a thread of the server or in a process of its own (--engine-process)."""
     log_path = tmp_path / "serve.log"
     proc, url = serve(tiny_llama, log_path, 0.5, "--max-num-seqs", "2",
-                      *(["--engine-process"] if where == "process" else []))
+                      "--engine-process" if where == "process" else "--no-engine-process")
     try:
         events, wholes, new, health = asyncio.run(signal_while_open(proc, url, signal.SIGTERM, 8, LONG, 2, 2))
         assert proc.wait(timeout=0.5 + FLUSH_S + 20) == 0
