@@ -49,8 +49,9 @@ KV cache health (ours):
 Block states: `used` is held by a sequence, `cached` is idle but holds a prefix a request can take
 back (an allocation may evict it), `free` is idle and empty.
 
-The engine thread calls `on_step` after each `engine.step()` and `on_abort` after a successful
-`engine.abort_request`; HTTP threads call `render`. Only the engine thread reads engine state.
+The engine's loop calls `on_step` after each `engine.step()` and `on_abort` after a successful
+`engine.abort_request` (on the engine thread, or in the engine process, server/engine_core.py, which sends
+`render`'s text to the API process); HTTP threads call `render`. Only the engine's loop reads engine state.
 """
 from __future__ import annotations
 
