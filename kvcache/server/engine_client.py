@@ -34,9 +34,11 @@ from kvcache.engine.outputs import RequestMetrics, RequestOutput
 from kvcache.engine.sampling_params import SamplingParams
 from kvcache.server import wire
 from kvcache.server.engine_loop import (
+    EngineLoop,
     EngineRequestError,
     ServerShuttingDown,
     _call,
+    _dead,
     _post,
     _settle,
     _Stream,
@@ -232,12 +234,7 @@ class EngineClient:
             self._accepting[request_id] = accepted
         return stream.queue, accepted
 
-    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams, add_special_tokens: bool = True,
-                     cache_salt: str | None = None, out: asyncio.Queue | None = None,
-                     eviction: EvictionSpec | None = None) -> asyncio.Queue:
-        queue_, accepted = self.enqueue(request_id, prompt, params, add_special_tokens, cache_salt, out, eviction)
-        await accepted
-        return queue_
+    submit = EngineLoop.submit  # `enqueue`, then wait until the engine has taken the request
 
     def abort(self, request_id: str) -> None:
         self._forget(request_id, (request_id, None), abort=True)
@@ -301,16 +298,17 @@ class EngineClient:
         except Exception as e:  # noqa: BLE001 -- the sockets closed under it (stop), or a bug: no request hangs
             if not self._stopping:
                 log.exception("the engine client's receiver stopped")
-                self.error = e
-                self._fail_all(EngineDeadError(f"the engine client failed: {e}"))
-                if self.on_dead is not None:
-                    self.on_dead()
+                self._give_up(EngineDeadError(f"the engine client failed: {e}"))
 
     def _died(self) -> None:
         why = exit_status(self.process)
-        self.error = EngineDeadError(f"the engine process exited ({why})")
         log.error("the engine process exited (%s); failing every open request", why)
-        self._fail_all(self.error)
+        self._give_up(EngineDeadError(f"the engine process exited ({why})"))
+
+    def _give_up(self, error: EngineDeadError) -> None:
+        """The engine is gone: `error` for every waiter, `alive` False, on_dead called."""
+        self.error = error
+        self._fail_all(error)
         if self.on_dead is not None:
             self.on_dead()
 
@@ -392,14 +390,13 @@ class EngineClient:
             accepting, self._accepting = self._accepting, {}
             snapshots, self._snapshots = self._snapshots, {}
             self._prompts.clear()
-        fresh = lambda: type(error)(str(error))  # noqa: E731 -- one exception per waiter, as EngineLoop's _dead
-        for rid, stream in streams.items():
+        for rid, stream in streams.items():  # one exception per waiter (_dead), as EngineLoop's _fail_all
             if rid in accepting:
-                _call(stream.loop, _settle, accepting[rid], fresh())
+                _call(stream.loop, _settle, accepting[rid], _dead(error))
             else:
-                _post(stream, fresh())
+                _post(stream, _dead(error))
         for future, loop in snapshots.values():
-            _call(loop, _settle, future, fresh())
+            _call(loop, _settle, future, _dead(error))
 
 
 def exit_status(process: subprocess.Popen) -> str:

@@ -20,6 +20,7 @@ import sys
 import time
 
 from kvcache.server import wire
+from kvcache.server.engine_loop import record_step, use_small_step_threads
 
 log = logging.getLogger("kvcache.engine_process")
 METRICS_EVERY_S = 0.25
@@ -67,13 +68,10 @@ class EngineCore:
 
     def __init__(self, config, model_name: str, tx, log_interval_s: float) -> None:
         from kvcache.engine.llm_engine import LLMEngine
-        from kvcache.server.engine_loop import small_step_threads
         from kvcache.server.metrics import ServerMetrics
         self.engine = LLMEngine(config)
         self.metrics = ServerMetrics(self.engine, model_name)
-        runner = self.engine.runner
-        if self.engine.device.type == "cpu" and runner.all_threads > 1:
-            runner.small_step_threads = small_step_threads(runner.all_threads)
+        use_small_step_threads(self.engine)
         self.tx = tx
         self.log_interval_s = log_interval_s
         self.open: set[str] = set()  # requests added and not yet finished or aborted
@@ -183,13 +181,7 @@ class EngineCore:
             elif first:
                 self.sent_prompt.add(out.request_id)
         self.tx.send_multipart(frames)
-        try:
-            self.metrics.on_step(outputs, now)
-            if now - self.log_time >= self.log_interval_s:
-                log.info(self.metrics.log_line())
-                self.log_time = now
-        except Exception:  # noqa: BLE001 -- a metrics bug is logged, never fatal to serving
-            log.exception("recording the step's metrics failed")
+        self.log_time = record_step(self.metrics, outputs, now, self.log_time, self.log_interval_s)
         self.metrics_stale = True
         if now - self.metrics_time >= METRICS_EVERY_S:
             self._send_metrics()

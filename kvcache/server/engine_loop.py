@@ -74,6 +74,27 @@ def small_step_threads(all_threads: int) -> int | None:
     return min(int(env), all_threads) or all_threads
 
 
+def use_small_step_threads(engine: LLMEngine) -> None:
+    """A server's engine on a multi-core CPU: its small steps take KVCACHE_SMALL_STEP_THREADS threads (see
+    small_step_threads); the engine loop and the engine process both serve through it."""
+    runner = engine.runner
+    if engine.device.type == "cpu" and runner.all_threads > 1:
+        runner.small_step_threads = small_step_threads(runner.all_threads)
+
+
+def record_step(metrics, outputs: list[RequestOutput], now: float, last_log: float, log_interval_s: float) -> float:
+    """A step's metrics, and the periodic log line when `log_interval_s` has passed since `last_log`; returns the
+    time of the last log line. A metrics bug is logged, never fatal to serving."""
+    try:
+        metrics.on_step(outputs, now)
+        if now - last_log >= log_interval_s:
+            log.info(metrics.log_line())
+            return now
+    except Exception:
+        log.exception("recording the step's metrics failed")
+    return last_log
+
+
 def build_engine(config) -> LLMEngine:
     """LLMEngine(config), built on a thread of its own that ends before serving starts.
 
@@ -125,9 +146,7 @@ class EngineLoop:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        runner = self.engine.runner
-        if self.engine.device.type == "cpu" and runner.all_threads > 1:
-            runner.small_step_threads = small_step_threads(runner.all_threads)
+        use_small_step_threads(self.engine)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -278,7 +297,7 @@ class EngineLoop:
                 for out in outputs:
                     self._deliver(out)
                 if self.metrics:
-                    last_log = self._record(outputs, now, last_log)
+                    last_log = record_step(self.metrics, outputs, now, last_log, self.log_interval_s)
         except BaseException as e:
             self.error = e
             log.exception("the engine loop stopped")
@@ -286,17 +305,6 @@ class EngineLoop:
             self._fail_all(self.error or ServerShuttingDown("the server is shutting down"))
             if self.error is not None and self.on_dead is not None:
                 self.on_dead()
-
-    def _record(self, outputs: list[RequestOutput], now: float, last_log: float) -> float:
-        """Metrics of a step, and the periodic log line; a metrics bug is logged, never fatal to serving."""
-        try:
-            self.metrics.on_step(outputs, now)
-            if now - last_log >= self.log_interval_s:
-                log.info(self.metrics.log_line())
-                return now
-        except Exception:
-            log.exception("recording the step's metrics failed")
-        return last_log
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

@@ -74,15 +74,15 @@ def pack_output(out: RequestOutput, first: bool) -> bytes:
 def unpack_output(rid: str, frame: bytes, prompt_ids: list[int] | None) -> tuple[RequestOutput, list[int]]:
     """The RequestOutput of an "outputs" body, and its prompt ids (from the body, or `prompt_ids` kept from the
     request's first output); WireError if it is not one."""
+    body = unpack(frame)
     try:
-        (prompt, ids, samples, finished, times, error, prompt_lps, ranks, cached, degradation) = unpack(frame)
-        ids = ids if ids is not None else prompt_ids
-        if ids is None:
-            raise WireError(f"request {rid}'s first output came without its prompt ids")
+        (prompt, ids, samples, finished, times, error, prompt_lps, ranks, cached, degradation) = body
         outputs = [CompletionOutput(**dict(zip(_SAMPLE, s, strict=True))) for s in samples]
-        return RequestOutput(rid, prompt, ids, outputs, finished, RequestMetrics(*times), error, prompt_lps, ranks,
-                             cached, degradation), ids
+        metrics = RequestMetrics(*times)
     except (TypeError, ValueError) as e:
-        if isinstance(e, WireError):
-            raise
         raise WireError(f"request {rid}'s output is malformed: {type(e).__name__}: {e}") from None
+    ids = ids if ids is not None else prompt_ids
+    if ids is None:
+        raise WireError(f"request {rid}'s first output came without its prompt ids")
+    return RequestOutput(rid, prompt, ids, outputs, finished, metrics, error, prompt_lps, ranks, cached,
+                         degradation), ids

@@ -139,27 +139,34 @@ def test_a_request_whose_message_cannot_be_decoded_fails_alone(remote, monkeypat
     assert scrape(remote.url)["kvcache:num_requests_running"] == 0
 
 
+def _stream_while(srv, end_engine, hang_s: float) -> list[str]:
+    """The `data:` payloads of a long stream during which `end_engine()` is called (once the first arrived); the
+    stream must end within `hang_s` seconds after (a hang guard)."""
+    events, started = [], threading.Event()
+
+    def stream():
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 480, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=H, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    end_engine()
+    t.join(hang_s)
+    assert not t.is_alive(), "the stream hung on an engine that had gone"
+    return events
+
+
 def test_a_dead_engine_process_fails_every_open_request(tiny_llama):
     srv = start_server(tiny_llama, engine_process=True)
     dead = threading.Event()
     srv.loop.on_dead = dead.set
     try:
-        events, started = [], threading.Event()
-
-        def stream():
-            body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 480, "stream": True, "ignore_eos": True}
-            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=H, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        started.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert started.wait(60)
-        os.kill(srv.loop.process.pid, signal.SIGKILL)
-        t.join(10)  # a hang guard: the target is within a second
-        assert not t.is_alive(), "the stream hung on a dead engine process"
+        events = _stream_while(srv, lambda: os.kill(srv.loop.process.pid, signal.SIGKILL), 10)  # target: 1 s
         assert dead.wait(5)
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead"
         assert "signal SIGKILL" in str(srv.loop.error)
@@ -179,27 +186,15 @@ def test_an_engine_that_stops_unasked_fails_every_open_request(tiny_llama):
     dead = threading.Event()
     srv.loop.on_dead = dead.set
     try:
-        events, started = [], threading.Event()
+        def closed_unasked():
+            ctx = zmq.Context()
+            push = ctx.socket(zmq.PUSH)
+            push.connect(f"ipc://{srv.loop._dir}/out")
+            push.send_multipart([b"closed"])
+            push.close(linger=1000)
+            ctx.term()
 
-        def stream():
-            body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 480, "stream": True, "ignore_eos": True}
-            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=H, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        started.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert started.wait(60)
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.connect(f"ipc://{srv.loop._dir}/out")
-        push.send_multipart([b"closed"])
-        t.join(30)
-        push.close(linger=0)
-        ctx.term()
-        assert not t.is_alive(), "the stream hung on an engine that stopped"
+        events = _stream_while(srv, closed_unasked, 30)
         assert dead.wait(5)
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead"
         assert srv.loop.process.poll() is not None
