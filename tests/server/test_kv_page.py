@@ -231,7 +231,8 @@ def test_the_page_in_a_headless_browser(slow_live, tmp_path):
         driver.find_element(By.ID, "key").send_keys(API_KEY)
         driver.find_element(By.ID, "login").submit()
         wait = WebDriverWait(driver, 20)
-        wait.until(lambda d: d.execute_script("return document.body.dataset.snapshotTime"))
+        # the login's redirect may still be loading (no body yet): wait through it for the page's first snapshot
+        wait.until(lambda d: d.execute_script("return document.body && document.body.dataset.snapshotTime"))
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#requests tbody tr")) >= 2)
         page = driver.execute_script(_READ_PAGE)
         snap = page["snap"]
