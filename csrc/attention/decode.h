@@ -379,9 +379,9 @@ static inline void scores(float* s, const float* q, const float* k, int64_t stri
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) x[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt[j] + d), x[j]);
       }
-      alignas(32) float r[8];
-      _mm256_store_ps(r, lane_sums8(x));
-      for (int64_t j = 0; j < n; ++j) s[c0 - t0 + j] = r[j];
+      // all 8 stored: s has room for the block's scores rounded up to 16, and those past n are masked by the
+      // softmax; 8 scalar stores, read back as one vector by it, had stalled on store forwarding
+      _mm256_storeu_ps(s + c0 - t0, lane_sums8(x));
     }
     return;
   }

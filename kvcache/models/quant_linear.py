@@ -3,7 +3,7 @@ activations (`--quantization int4`).
 
 Decode on a CPU is bound by reading the weights: every step reads all of them for a handful of rows. Stored as int8
 with one float32 scale per output channel (symmetric, amax / 127, as vLLM's and llm.int8's per-channel weight
-quantization), they are a quarter of float32's bytes, and a C++ kernel (cpu_kernels.py, compiled on first use)
+quantization), they are a quarter of float32's bytes, and a C++ kernel (csrc/linear/int8.cpp, built at install)
 multiplies them straight from int8: each weight row is loaded once, widened to float32 in
 registers and used for up to 8 activation rows. Up to KERNEL_MAX_ROWS rows that beat float32's GEMM on the machines
 measured (docs/kernels.md); past it float32's GEMM is faster, so larger batches (prefill) dequantize the weight and
@@ -15,7 +15,7 @@ int4 is GGUF's Q4_1 (what llama.cpp runs the demo model in): groups of 32 weight
 float16 scale d and minimum m, codes 0..15 (w = d * code + m). Re-quantizing a Q4_1 checkpoint's dequantized weights
 gives back its own codes, so on such a checkpoint int4 costs nothing beyond the activations' rounding. Activations
 are quantized on the fly to int8 per group of 32 (Q8_1) and the kernel multiplies codes by them with AVX512-VNNI's
-u8 x s8 dot product: a weight costs 0.625 bytes (float32: 4), and a row's products are integer sums. The weights are
+u8 x s8 dot product (AVX2: vpmaddubsw + vpmaddwd, the same integer sums): a weight costs 0.625 bytes (float32: 4), and a row's products are integer sums. The weights are
 stored for vertical dot products (16 output rows per instruction, see pack_int4), so that one kernel serves every
 batch size, ahead of float32's product from one row to prefill's hundreds on the machines measured (docs/kernels.md).
 Prefill and large decode batches run it too, and compute what one row computes.
@@ -272,8 +272,8 @@ class Int4Dense(nn.Module):
         if k is not None:  # every batch size: the kernel is as fast as float32's GEMM from one row to thousands
             out = torch.empty(x.shape[0], self.out_features)
             getattr(k, self.KERNEL)(out, _as_f32(x), self.qweight, self.scale, self.minimum)
-        else:  # CPUs without VNNI: float32 GEMM on the dequantized weight, with the activations rounded as the kernel
-            # rounds them, so that both compute the same thing
+        else:  # no native kernels (a build without them, or a CPU that is not x86): float32 GEMM on the dequantized
+            # weight, with the activations rounded as the kernel rounds them, so that both compute the same thing
             out = _blocked_matmul(fake_quantize_activations(x), self.out_features, self._dequantize)
         if self.bias is not None:
             out += self.bias
