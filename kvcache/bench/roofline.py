@@ -12,10 +12,14 @@ from kvcache.bench.workload import Workload
 
 def _best_rate(op, work: float, seconds: float, device: torch.device) -> float:
     """Best `work` per second of `op()` over `seconds` of repeats (4 per timing; 1 where one call takes over 50 ms,
-    as a bfloat16 GEMM does on a CPU without native bfloat16, at least one timing)."""
+    at least one timing). A first call that takes `seconds` or more is the timing: a bfloat16 GEMM on a CPU without
+    native bfloat16 runs at under 1 GFLOP/s, 3 s a call, and timing it again doubled the benchmark's start-up."""
     t = time.perf_counter()
     op()
-    reps = 4 if time.perf_counter() - t < 0.05 else 1
+    first = time.perf_counter() - t
+    if first >= seconds and device.type != "cuda":
+        return work / first
+    reps = 4 if first < 0.05 else 1
     best, end = 0.0, time.perf_counter() + seconds
     while not best or time.perf_counter() < end:
         if device.type == "cuda":
