@@ -15,8 +15,9 @@ using at::Tensor;
 using OptTensor = std::optional<at::Tensor>;
 
 // ---- attention (csrc/attention) ----
-// out [B, H, D] = attention of q [B, H, D] over the first context_lens[b] tokens of block_tables[b] in a float32
-// store (k_cache, v_cache [blocks, block_size, KVH, D]); window <= 0: none; softcap <= 0: none; runs: see decode.cpp
+// out [B, H, D] = attention of q [B, H, D] over the first context_lens[b] tokens of block_tables[b] in a float32,
+// float16 or bfloat16 store (k_cache, v_cache [blocks, block_size, KVH, D]); window <= 0: none; softcap <= 0: none;
+// runs: see decode.cpp
 void paged_decode(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens,
                   double scale, int64_t window, double softcap, int64_t split_tokens, Tensor runs);
 // paged_decode over a quantized store's raw block bytes (store/quantized_store.py), decoded as they are read

@@ -1,5 +1,5 @@
-// paged_decode (a float32 store) and paged_decode_quant (a quantized one): each call's checks and shape, then the
-// templates of decode.h.
+// paged_decode (a float32, float16 or bfloat16 store) and paged_decode_quant (a quantized one): each call's checks
+// and shape, then the templates of decode.h.
 #include "decode.h"
 
 namespace kvcache {
@@ -57,12 +57,23 @@ void paged_decode_quant(Tensor out, Tensor q, Tensor raw, std::vector<int64_t> o
 void paged_decode(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
                   Tensor block_tables, Tensor context_lens, double scale, int64_t window,
                   double softcap, int64_t split_tokens, Tensor runs) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat && k_cache.size(3) == q.size(2));
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == dtype &&
+              (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) && k_cache.dim() == 4 &&
+              v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == q.size(2),
+              "paged_decode: k_cache and v_cache [blocks, block_size, KVH, D] contiguous, both float32, float16 or "
+              "bfloat16, with q's D");
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), D = q.size(2);
   const Decode c = decode_shape(out, q, block_tables, context_lens, BS, KVH, scale, window, softcap, split_tokens,
                                 runs);
-  decode_dispatch(c, F32Src{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), BS * KVH * D, KVH * D, D});
+  if (dtype == at::kFloat) {
+    decode_dispatch(c, F32Src{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), BS * KVH * D, KVH * D, D});
+    return;
+  }
+  const auto* k = (const uint16_t*)k_cache.data_ptr();
+  const auto* v = (const uint16_t*)v_cache.data_ptr();
+  if (dtype == at::kHalf) decode_dispatch(c, HalfSrc<false>{k, v, BS * KVH * D, KVH * D, D});
+  else decode_dispatch(c, HalfSrc<true>{k, v, BS * KVH * D, KVH * D, D});
 }
 
 

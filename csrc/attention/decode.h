@@ -75,6 +75,55 @@ struct F32Src {
   const float* values(int64_t kh, int64_t, int64_t, int64_t& stride) { stride = tok; return vb + kh * D; }
 };
 
+// A float16 or bfloat16 store (BF16 false / true) in F32Src's layout: each block's keys (values) of one KV head are
+// widened to float32 as they are read, into kbuf / vbuf (BS x D floats, one per thread): F16C's vcvtph2ps, or a
+// bfloat16's bits shifted into a float's top half. Half the bytes of float32 (llama.cpp's default cache format).
+template <bool BF16>
+struct HalfSrc {
+  const uint16_t *k, *v;
+  int64_t blk, tok, D;
+  const uint16_t *kb = nullptr, *vb = nullptr;
+  std::vector<float> kbuf, vbuf;
+  void init(int64_t block_size) { kbuf.resize(block_size * D); vbuf.resize(block_size * D); }
+  void seq(int64_t) {}
+  void block(int64_t id, int64_t) { kb = k + id * blk; vb = v + id * blk; }
+  void prefetch(Prefetcher& pf, int64_t id) const { pf.start(k + id * blk, blk * 2, v + id * blk, blk * 2); }
+  // out[0..D) = the D halves at h, widened
+  void widen(float* out, const uint16_t* h) const {
+    int64_t d = 0;
+#if defined(KVCACHE_AVX512) || defined(KVCACHE_AVX2)
+    for (; d + 8 <= D; d += 8) {
+      const __m128i x = _mm_loadu_si128((const __m128i*)(h + d));
+      if constexpr (BF16)
+        _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)));
+      else
+        _mm256_storeu_ps(out + d, _mm256_cvtph_ps(x));
+    }
+#endif
+    for (; d < D; ++d) {
+      if constexpr (BF16) {
+        const uint32_t bits = (uint32_t)h[d] << 16;
+        std::memcpy(out + d, &bits, 4);
+      } else {
+        out[d] = (float)c10::Half(h[d], c10::Half::from_bits());
+      }
+    }
+  }
+  const float* widened(std::vector<float>& buf, const uint16_t* base, int64_t kh, int64_t t0, int64_t t1,
+                       int64_t& stride) const {
+    stride = D;
+    for (int64_t t = t0; t < t1; ++t) widen(buf.data() + t * D, base + t * tok + kh * D);
+    return buf.data();
+  }
+  // KV head kh's keys (values) of tokens t0..t1 of the current block: token t's at p + t * stride
+  const float* keys(int64_t kh, int64_t t0, int64_t t1, int64_t& stride) {
+    return widened(kbuf, kb, kh, t0, t1, stride);
+  }
+  const float* values(int64_t kh, int64_t t0, int64_t t1, int64_t& stride) {
+    return widened(vbuf, vb, kh, t0, t1, stride);
+  }
+};
+
 // An fp8 byte as float32, vectorizable (a table lookup is a gather), with no float32 denormal on the way (the
 // engine runs with denormals flushed): a normal code's exponent is rebiased in the integer bits, a subnormal one is
 // mantissa x 2^(1 - bias - mantissa bits), exact. Non-finite codes (e4m3fn: 0x7F/0xFF NaN; e5m2: exponent 31, inf

@@ -32,13 +32,11 @@ def _why_not_triton(device: torch.device, kv: KVDtype, block_size: int) -> str |
     return None
 
 
-def _why_not_cpu(device: torch.device, dtype: torch.dtype, kv: KVDtype) -> str | None:
+def _why_not_cpu(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cpu":
         return "it runs on the CPU only (use --attention-backend triton or torch on CUDA)"
     if dtype != torch.float32:
         return f"it computes in float32 only, not {str(dtype).removeprefix('torch.')} (use --attention-backend torch)"
-    if kv.scales == "none" and kv.name != "float32":
-        return "it reads float32 or quantized blocks, not a float16/bfloat16 cache (use --attention-backend torch)"
     try:
         native.require()
     except native.KernelsUnavailable as e:
@@ -54,7 +52,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, kv_cach
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
     kv = kv_dtype(kv_cache_dtype)
     checks = {"triton": lambda: _why_not_triton(device, kv, block_size),
-              "cpu": lambda: _why_not_cpu(device, dtype, kv), "torch": lambda: None}
+              "cpu": lambda: _why_not_cpu(device, dtype), "torch": lambda: None}
     if name != "auto":
         why = checks[name]()
         if why:

@@ -32,7 +32,8 @@ def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None,
                  softcap: float | None = None, runs: torch.Tensor | None = None) -> None:
     """out[b] = attention of q[b] ([B, H, D], heads packed by D, rows of any stride: a view of the q/k/v product is
-    read where it is) over the first context_lens[b] tokens of its block table; scores
+    read where it is) over the first context_lens[b] tokens of its block table in k_cache / v_cache (float32, or
+    float16 / bfloat16 widened as they are read); scores
     soft-capped (c * tanh(s / c)) with `softcap`. `runs` (int64 [B], DecodeGroup.runs): runs[b] rows from b on are
     consecutive positions of one sequence (0 inside a run), attended together: each block is read once for all of
     them, and each row's output is what it would be alone."""

@@ -74,7 +74,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, la
             o = out if whole else ws.get("decode_out", (g.rows.numel(), H, D), q)
             # whole: q as it is where its heads are packed (the kernel takes any row stride), not copied every layer
             qg = (q if q.stride(2) == 1 and q.stride(1) == D else q.contiguous()) if whole else q.index_select(0, g.rows)
-            if store.exact:
+            if not hasattr(store, "raw"):  # float32, float16 or bfloat16 blocks: the kernel widens as it reads
                 cpu_kernel.paged_decode(o, qg, store.k[layer], store.v[layer], table, lens, scale, window, softcap,
                                         g.runs)
             else:

@@ -112,7 +112,7 @@ def _layer_call(backend: str, store, q: torch.Tensor, tables: torch.Tensor, lens
         from kvcache.attention import triton_attention
         return lambda i: triton_attention.paged_decode(out, q, store, i, tables, lens, scale, None)
     if backend == "cpu":
-        if store.exact:
+        if not hasattr(store, "raw"):  # float32, float16 or bfloat16 blocks
             return lambda i: cpu_kernel.paged_decode(out, q, store.k[i], store.v[i], tables, lens, scale, None)
         # KIVI: every key is in a complete group (_store), so no position reads a full-precision key
         full = (torch.zeros(1, store.num_kv_heads, q.shape[2]), torch.zeros(q.shape[0], 1, dtype=torch.long), lens) \

@@ -144,6 +144,27 @@ def test_cpu_kernel_row_does_not_depend_on_its_batch(cpu_isa):
     torch.testing.assert_close(together[0], out, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 12])
+def test_cpu_kernel_reads_a_half_precision_store_as_its_float32_widening(cpu_isa, dtype, d):
+    """Over a float16 or bfloat16 store the decode kernel widens each value as it reads it: every output is bit for
+    bit what it gives over the same values stored in float32 (head size 12: the widening's tail past 8 lanes too),
+    and a store of two formats or of another dtype is refused, naming what it takes."""
+    g = torch.Generator().manual_seed(5)
+    lens = [70, 1, 16, 33]
+    k, v, tables, _ = random_paged_kv(lens, 16, 3, d, g)
+    k, v = k.to(dtype), v.to(dtype)
+    q = torch.randn(len(lens), 9, d, generator=g)
+    half, wide = torch.empty_like(q), torch.empty_like(q)
+    cpu_kernel.paged_decode(half, q, k, v, tables, torch.tensor(lens), d ** -0.5, None)
+    cpu_kernel.paged_decode(wide, q, k.float(), v.float(), tables, torch.tensor(lens), d ** -0.5, None)
+    assert torch.equal(half, wide)
+    with pytest.raises(RuntimeError, match="both float32, float16 or bfloat16"):
+        cpu_kernel.paged_decode(half, q, k, v.float(), tables, torch.tensor(lens), d ** -0.5, None)
+    with pytest.raises(RuntimeError, match="both float32, float16 or bfloat16"):
+        cpu_kernel.paged_decode(half, q, k.double(), v.double(), tables, torch.tensor(lens), d ** -0.5, None)
+
+
 def test_cpu_kernel_reads_q_in_place_from_the_qkv_product(cpu_isa):
     """The decode kernel takes q as a view of the q/k/v product (rows strided, heads packed), as the layers hand it
     over, with the same floats as from a contiguous copy, over float32 and a quantized store; q whose heads are not
