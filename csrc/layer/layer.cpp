@@ -4,10 +4,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/mm_ops.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "../isa.h"
@@ -113,9 +116,28 @@ static Tensor linear(const std::vector<Tensor>& L, const Tensor& x_, int64_t N) 
   return out;
 }
 
+// Row t's k and v (kv floats each, at H and H + kv of its row of src) into slot sp[t] of kp / vp, converted to the
+// cache's type as KVStore.write's `x.to(cache.dtype)` converts (round to nearest even).
+template <class C>
+static void store_rows(C* kp, C* vp, const float* src, const int64_t* sp, int64_t T, int64_t row, int64_t H,
+                       int64_t kv) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* k = src + t * row + H;
+    if constexpr (std::is_same_v<C, float>) {
+      std::memcpy(kp + sp[t] * kv, k, kv * sizeof(float));
+      std::memcpy(vp + sp[t] * kv, k + kv, kv * sizeof(float));
+    } else {
+      for (int64_t i = 0; i < kv; ++i) {
+        kp[sp[t] * kv + i] = C(k[i]);
+        vp[sp[t] * kv + i] = C(k[kv + i]);
+      }
+    }
+  }
+}
+
 // qkv [T, cols = (H + 2 KVH) * D] = (RMSNorm of residual += x) W_qkv, with RoPE applied to its first rope_heads
-// heads. x undefined: the first layer, whose residual is its input. With k_cache/v_cache (a float32 KVStore layer,
-// [blocks, block_size, KVH, D]) and slots, the step's k and v rows are then stored at their slots.
+// heads. x undefined: the first layer, whose residual is its input. With k_cache/v_cache (a KVStore layer of float32,
+// float16 or bfloat16, [blocks, block_size, KVH, D]) and slots, the step's k and v rows are then stored at their slots.
 Tensor attn_in(Tensor residual, OptTensor x, Tensor norm, double eps,
                       std::vector<Tensor> w_qkv, int64_t cols, Tensor cos, Tensor sin,
                       int64_t rope_heads, int64_t head_dim, OptTensor k_cache,
@@ -132,14 +154,19 @@ Tensor attn_in(Tensor residual, OptTensor x, Tensor norm, double eps,
   TORCH_CHECK(k_cache->is_contiguous() && v_cache->is_contiguous() && v_cache->sizes() == k_cache->sizes() &&
               k_cache->size(3) == head_dim && slots->numel() == T && slots->scalar_type() == at::kLong &&
               row == (rope_heads + k_cache->size(2)) * head_dim, "attn_in: bad cache, slots or qkv shapes");
+  const auto dtype = k_cache->scalar_type();
+  TORCH_CHECK(v_cache->scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16),
+              "attn_in: k_cache and v_cache both float32, float16 or bfloat16");
   const float* src = qkv.data_ptr<float>();
-  float* kp = k_cache->data_ptr<float>();
-  float* vp = v_cache->data_ptr<float>();
   const int64_t* sp = slots->data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < cap, "attn_in: slot ", sp[t], " outside the cache's ", cap);
-    std::memcpy(kp + sp[t] * kv, src + t * row + H, kv * sizeof(float));
-    std::memcpy(vp + sp[t] * kv, src + t * row + H + kv, kv * sizeof(float));
+  if (dtype == at::kFloat) {
+    store_rows(k_cache->data_ptr<float>(), v_cache->data_ptr<float>(), src, sp, T, row, H, kv);
+  } else if (dtype == at::kHalf) {
+    store_rows(k_cache->data_ptr<at::Half>(), v_cache->data_ptr<at::Half>(), src, sp, T, row, H, kv);
+  } else {
+    store_rows(k_cache->data_ptr<at::BFloat16>(), v_cache->data_ptr<at::BFloat16>(), src, sp, T, row, H, kv);
   }
   return qkv;
 }

@@ -166,6 +166,6 @@ def select_rows(rows: torch.Tensor | None, o: torch.Tensor, residual: torch.Tens
 
 
 def native_write(store: KVStore | QuantizedKVStore) -> bool:
-    """Whether the fused path's attn_in may store K/V itself (KVStore.native_write): a float32 KVStore (the quantized
-    and KIVI stores encode on write, and a narrower float store converts)."""
-    return isinstance(store, KVStore) and store.k[0].dtype == torch.float32
+    """Whether the fused path's attn_in may store K/V itself (KVStore.native_write): a KVStore of float32, float16 or
+    bfloat16 (attn_in converts as KVStore.write does); the quantized and KIVI stores encode on write."""
+    return isinstance(store, KVStore) and store.k[0].dtype in (torch.float32, torch.float16, torch.bfloat16)

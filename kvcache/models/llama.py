@@ -54,7 +54,8 @@ def layer_windows(cfg: PretrainedConfig) -> list[int | None]:
     return [None] * n
 
 
-# Whether decode-only steps of fused float32-cache models run their layers in one native call (decode_layers)
+# Whether decode-only steps of fused models on a float32, float16 or bfloat16 cache run their layers in one native
+# call (decode_layers)
 NATIVE_DECODE = True
 
 
@@ -150,7 +151,7 @@ class LlamaModel(nn.Module):
     def _decode_natively(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                          store: KVStore | QuantizedKVStore) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x, residual) after every layer in one native call (cpu_kernels.decode_layers: the same calls, and floats,
-        as the layers' fused forward) for a step of decode rows only on the CPU kernels' float32 cache, or None. It
+        as the layers' fused forward) for a step of decode rows only on a float (not quantized) cache, or None. It
         saves the ~40 Python calls a layer that the layers' own forward makes."""
         stack, T, first = self.decode_stack, x.shape[0], self.layers[0]
         if (stack is None or batch.prefills or not batch.decode_kernel or batch.backend != "cpu"

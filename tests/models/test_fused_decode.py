@@ -57,13 +57,17 @@ def test_fused_int4_stays_close(tiny_model_dirs, monkeypatch):
         assert all((a - b).abs().max() <= 0.02 * b.abs().max() + 1e-6 for a, b in zip(fused_kv, plain_kv))
 
 
-@pytest.mark.parametrize("arch, quant", [("qwen2", "none"), ("llama", "int8"), ("mistral-swa", "none")])
-def test_native_decode_loop_is_the_python_loop(tiny_model_dirs, arch, quant, monkeypatch):
+@pytest.mark.parametrize("arch, quant, kv", [("qwen2", "none", "auto"), ("llama", "int8", "auto"),
+                                             ("mistral-swa", "none", "auto"), ("llama", "none", "float16"),
+                                             ("qwen2", "int8", "bfloat16")])
+def test_native_decode_loop_is_the_python_loop(tiny_model_dirs, arch, quant, kv, monkeypatch):
     """Decode-only steps run every layer in one native call (cpu_kernels.decode_layers) where the model is plain
-    fused layers on a float32 cache: the same greedy tokens, and the same cache to the bit, as the layers' own
-    forward; biases (qwen2), int8 weights and a sliding window (mistral-swa) included."""
+    fused layers on a float32, float16 or bfloat16 cache: the same greedy tokens, and the same cache to the bit, as
+    the layers' own forward (whose K/V go through KVStore.write's conversion); biases (qwen2), int8 weights and a
+    sliding window (mistral-swa) included."""
     def make():
-        return LLM(tiny_model_dirs[arch], quantization=quant, kv_cache_memory="4MiB", max_model_len=256)
+        return LLM(tiny_model_dirs[arch], quantization=quant, kv_cache_memory="4MiB", max_model_len=256,
+                   kv_cache_dtype=kv)
     llm = make()
     model = llm.engine.runner.model
     assert model.decode_stack is not None
@@ -84,6 +88,36 @@ def test_native_decode_loop_is_the_python_loop(tiny_model_dirs, arch, quant, mon
     plain_out, plain_kv = _run(plain, True, monkeypatch)
     assert native_out == plain_out
     assert all(torch.equal(a, b) for a, b in zip(native_kv, plain_kv))
+
+
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+def test_attn_in_stores_a_half_cache_as_the_store_converts(tiny_model_dirs, kv, monkeypatch):
+    """attn_in writing a float16/bfloat16 cache stores each K/V value as KVStore.write's `x.to(dtype)` does: every
+    call's slots hold, bit for bit, the float32 values it stores into a float32 cache, converted by torch."""
+    monkeypatch.setattr(llama, "NATIVE_DECODE", False)  # decode steps through the layers' fused calls (Python)
+    llm = LLM(tiny_model_dirs["llama"], kv_cache_memory="4MiB", max_model_len=256, kv_cache_dtype=kv)
+    layer = llm.engine.runner.model.layers[0]
+    real, checked = layer.kernels, []
+
+    def attn_in(*a):
+        k_cache, v_cache, slots = a[-3:]
+        if slots is None:
+            return real.attn_in(*a)
+        kf, vf = torch.zeros(k_cache.shape), torch.zeros(v_cache.shape)
+        real.attn_in(a[0].clone(), *a[1:-3], kf, vf, slots)  # attn_in adds x into the residual in place
+        out = real.attn_in(*a)
+        for half, wide in ((k_cache, kf), (v_cache, vf)):
+            rows = lambda c: c.flatten(0, 1).index_select(0, slots)  # noqa: E731
+            assert rows(half).dtype == getattr(torch, kv) and torch.equal(rows(half), rows(wide).to(half.dtype))
+        checked.append(slots.numel())
+        return out
+
+    class Spy:
+        def __getattr__(self, name):
+            return attn_in if name == "attn_in" else getattr(real, name)
+    monkeypatch.setattr(layer, "kernels", Spy())
+    _run(llm, True, monkeypatch)
+    assert checked, "attn_in never stored K/V"
 
 
 def test_decode_layers_refuses_what_does_not_add_up(tiny_model_dirs):
