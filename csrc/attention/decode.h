@@ -8,7 +8,7 @@
 // split_tokens, run in parallel and combined, so that one long sequence keeps every core busy; the splits depend on
 // the sequence's own length only, so a row's arithmetic does not depend on what else is in the batch.
 //
-// out, q: [B, H, D] fp32; k_cache, v_cache: [NB, BS, KVH, D] fp32;
+// out, q: [B, H, D] fp32; k_cache, v_cache: [NB, BS, KVH, D] fp32 (F32Src), fp16 or bf16 (HalfSrc);
 // block_tables: [B, MAXNB] int64; context_lens: [B] int64; window <= 0 means none.
 // DC is D when known at compile time (the common head sizes), else 0.
 #pragma once

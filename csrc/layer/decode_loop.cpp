@@ -7,8 +7,9 @@
 namespace kvcache {
 
 // [x, residual] after every layer, for a step whose rows all decode: per layer attn_in (which stores K/V at
-// `slots`), paged_decode over the float32 cache and mlp, the calls DecoderLayer._forward_fused makes, with the same
-// arguments, so the same floats. x [T, hidden] is the embeddings (it becomes the residual stream, in place).
+// `slots`), paged_decode over the float32, float16 or bfloat16 cache and mlp, the calls
+// DecoderLayer._forward_fused makes, with the same arguments, so the same floats. x [T, hidden] is the embeddings
+// (it becomes the residual stream, in place).
 // `weights` holds each layer's input norm, post-attention norm, then its q/k/v, output, gate/up and down linears'
 // tensors, `counts` [layers * 4] how many tensors each linear has; `caches` every layer's K then every layer's V;
 // `windows` each layer's sliding window (0: none). Python's decode step made ~40 calls a layer: ~2.5 ms a step.

@@ -1,8 +1,8 @@
 """Which attention implementation runs, chosen once at start-up (`--attention-backend`); the model never asks.
 
 - `torch`: the portable path (decode rows gathered into padded groups, SDPA with masks). Runs anywhere.
-- `cpu`: the C++ decode kernel walking block tables (cpu_kernel.py): CPU, float32 compute, a float32 or quantized
-  store; prefill stays on SDPA (or, for soft-capped scores, computes them out).
+- `cpu`: the C++ decode kernel walking block tables (cpu_kernel.py): CPU, float32 compute, a float32, float16,
+  bfloat16 or quantized store; prefill stays on SDPA (or, for soft-capped scores, computes them out).
 - `triton`: the Triton kernels (triton_attention.py): CUDA, full-precision or fp8/int8 stores, block size >= 16
   (tl.dot's smallest tile); decode, prefill over a cached prefix and the quantizing KV write.
 - `auto`: triton on CUDA, cpu on the CPU, where they can run; else torch (the start-up log says which and why).

@@ -144,7 +144,7 @@ class DecoderLayer(nn.Module):
         w_qkv, w_o, w_gate_up, w_down = self.fused
         if residual is None:
             residual, x = x, None
-        writes_kv = native_write(store)  # a float32 store: attn_in stores K/V itself
+        writes_kv = native_write(store)  # a float32, float16 or bfloat16 store: attn_in stores K/V itself
         cache = store.native_write(self.index, batch.slot_mapping) if writes_kv else (None, None, None)
         qkv = self.kernels.attn_in(residual, x, self.input_norm, self.eps, w_qkv, (H + 2 * KVH) * hd, cos, sin,
                                    H + KVH, hd, *cache).view(T, -1, hd)

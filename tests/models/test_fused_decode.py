@@ -63,8 +63,8 @@ def test_fused_int4_stays_close(tiny_model_dirs, monkeypatch):
 def test_native_decode_loop_is_the_python_loop(tiny_model_dirs, arch, quant, kv, monkeypatch):
     """Decode-only steps run every layer in one native call (cpu_kernels.decode_layers) where the model is plain
     fused layers on a float32, float16 or bfloat16 cache: the same greedy tokens, and the same cache to the bit, as
-    the layers' own forward (whose K/V go through KVStore.write's conversion); biases (qwen2), int8 weights and a
-    sliding window (mistral-swa) included."""
+    the layers' own fused forward (which also stores through attn_in: its conversion is checked against torch's in
+    the next test); biases (qwen2), int8 weights and a sliding window (mistral-swa) included."""
     def make():
         return LLM(tiny_model_dirs[arch], quantization=quant, kv_cache_memory="4MiB", max_model_len=256,
                    kv_cache_dtype=kv)
