@@ -154,11 +154,14 @@ def test_cpu_kernel_reads_a_half_precision_store_as_its_float32_widening(cpu_isa
     lens = [70, 1, 16, 33]
     k, v, tables, _ = random_paged_kv(lens, 16, 3, d, g)
     k, v = k.to(dtype), v.to(dtype)
+    k[tables[3, 1], 5, 1, d - 1] = float("nan")  # a corrupt key of sequence 3 (33 tokens): its rows stay non-finite
+    v[tables[2, 0], 3, 0, 0] = float("inf")
     q = torch.randn(len(lens), 9, d, generator=g)
     half, wide = torch.empty_like(q), torch.empty_like(q)
     cpu_kernel.paged_decode(half, q, k, v, tables, torch.tensor(lens), d ** -0.5, None)
     cpu_kernel.paged_decode(wide, q, k.float(), v.float(), tables, torch.tensor(lens), d ** -0.5, None)
-    assert torch.equal(half, wide)
+    torch.testing.assert_close(half, wide, rtol=0, atol=0, equal_nan=True)
+    assert half[3, 3:6].isnan().any() and not half[3, :3].isnan().any() and half[:2].isfinite().all()
     with pytest.raises(RuntimeError, match="both float32, float16 or bfloat16"):
         cpu_kernel.paged_decode(half, q, k, v.float(), tables, torch.tensor(lens), d ** -0.5, None)
     with pytest.raises(RuntimeError, match="both float32, float16 or bfloat16"):
