@@ -500,7 +500,7 @@ def _one_prompt_on_both_replicas(url: str, redis_url: str) -> None:
 
 def test_replicas_drain_on_sigterm_the_router_refusing_and_each_replica_aborting_what_its_timeout_leaves(
         tiny_model_dirs, tmp_path):
-    """SIGTERM to `kvcache serve --replicas 2` with streams in flight (one at a time per replica, 500 tokens each):
+    """SIGTERM to `kvcache serve --replicas 2` with 24 streams in flight (one at a time per replica, 500 tokens each):
     the router answers 503 to new requests and /health; each stream ends whole or with the shutdown's error event
     and [DONE], through the router; the process exits 0 with no traceback."""
     log_path = tmp_path / "serve.log"
@@ -508,7 +508,7 @@ def test_replicas_drain_on_sigterm_the_router_refusing_and_each_replica_aborting
                                 "512", "--max-num-seqs", "1", "--served-model-name", "tiny", "--replicas", "2",
                                 "--routing", "round-robin", "--shutdown-timeout", "1"], str(log_path), 180)
     try:
-        events, wholes, new, health = asyncio.run(signal_while_open(proc, url, signal.SIGTERM, 6, 500, 1, 2))
+        events, wholes, new, health = asyncio.run(signal_while_open(proc, url, signal.SIGTERM, 24, 500, 1, 2))
         assert proc.wait(timeout=120) == 0
     finally:
         stop_replicas(proc, leftovers=proc.poll() is None)
@@ -521,7 +521,10 @@ def test_replicas_drain_on_sigterm_the_router_refusing_and_each_replica_aborting
             aborted += 1
         else:
             assert ev[-2]["choices"][0]["finish_reason"] == "length"
-    assert aborted >= 2  # four of the six queue behind the two running
+    # 22 queue behind the two running: about 5 s of work a replica (500 tokens take the tiny model about 0.3 s on Zen
+    # 3), so the 1 s timeout leaves most of them (22 of 24 in a run here) even where the signal's handler runs late
+    # on a loaded machine. With 6 streams, a CI run finished all of them.
+    assert aborted >= 2
     log = log_path.read_text()
     assert_clean_log(log, "replicas drained")
     assert "SIGTERM: draining 2 replicas" in log
