@@ -15,10 +15,11 @@ int4 is GGUF's Q4_1 (what llama.cpp runs the demo model in): groups of 32 weight
 float16 scale d and minimum m, codes 0..15 (w = d * code + m). Re-quantizing a Q4_1 checkpoint's dequantized weights
 gives back its own codes, so on such a checkpoint int4 costs nothing beyond the activations' rounding. Activations
 are quantized on the fly to int8 per group of 32 (Q8_1) and the kernel multiplies codes by them with AVX512-VNNI's
-u8 x s8 dot product (AVX2: vpmaddubsw + vpmaddwd, the same integer sums): a weight costs 0.625 bytes (float32: 4), and a row's products are integer sums. The weights are
-stored for vertical dot products (16 output rows per instruction, see pack_int4), so that one kernel serves every
-batch size, ahead of float32's product from one row to prefill's hundreds on the machines measured (docs/kernels.md).
-Prefill and large decode batches run it too, and compute what one row computes.
+u8 x s8 dot product (AVX2: vpmaddubsw + vpmaddwd, the same integer sums): a weight costs 0.625 bytes (float32: 4),
+and a row's products are integer sums. The weights are stored for vertical dot products (16 output rows per
+instruction, see pack_int4), so that one kernel serves every batch size, ahead of float32's product from one row to
+prefill's hundreds on the machines measured (docs/kernels.md). Prefill and large decode batches run it too, and
+compute what one row computes.
 """
 from __future__ import annotations
 

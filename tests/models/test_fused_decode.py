@@ -99,6 +99,9 @@ def test_attn_in_stores_a_half_cache_as_the_store_converts(tiny_model_dirs, kv, 
     layer = llm.engine.runner.model.layers[0]
     real, checked = layer.kernels, []
 
+    def rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return cache.flatten(0, 1).index_select(0, slots)
+
     def attn_in(*a):
         k_cache, v_cache, slots = a[-3:]
         if slots is None:
@@ -107,8 +110,7 @@ def test_attn_in_stores_a_half_cache_as_the_store_converts(tiny_model_dirs, kv, 
         real.attn_in(a[0].clone(), *a[1:-3], kf, vf, slots)  # attn_in adds x into the residual in place
         out = real.attn_in(*a)
         for half, wide in ((k_cache, kf), (v_cache, vf)):
-            rows = lambda c: c.flatten(0, 1).index_select(0, slots)  # noqa: E731
-            assert rows(half).dtype == getattr(torch, kv) and torch.equal(rows(half), rows(wide).to(half.dtype))
+            assert half.dtype == getattr(torch, kv) and torch.equal(rows(half, slots), rows(wide, slots).to(half.dtype))
         checked.append(slots.numel())
         return out
 
