@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "../ops.h"
+#include "../parallel.h"
 #include "softmax.h"
 
 namespace kvcache {
@@ -612,24 +613,26 @@ static void decode(const Decode& c, const Src& proto) {
   std::unique_ptr<float[]> partial(new float[prow[c.B] * P]);  // not zeroed: the combine reads only what items wrote
   int64_t most = 1;
   for (int64_t n : size) most = std::max(most, n);
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  auto run_of = [&](int64_t it) { return std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1; };
+  parallel_items(items, [&](WorkQueue& q) {  // items taken as threads free up: their lengths differ
     Src src = proto;
     if constexpr (!std::is_same_v<Src, F32Src>) src.init(c.BS);
     const int64_t SB = (c.BS + 15) / 16 * 16;  // a head's scores, padded for lane_sums' 16 at a time
     std::vector<float> s(most * H * SB), ml(2 * most * H), acc(most * H * D);
-    int64_t u = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-    for (int64_t it = begin; it < end; ++it) {
-      while (it >= first[u + 1]) ++u;
+    bool started = false;  // this thread ran an item before, which read this one's first block in with its last
+    for (int64_t it = q.take(), nx; it >= 0; it = nx, started = true) {
+      nx = q.take();
+      const int64_t u = run_of(it);
       const int64_t b = start[u], R = size[u], n = first[u + 1] - first[u], sp = it - first[u];
       const int64_t b0 = c.first_block(b) + sp * c.split_blocks;
       const int64_t b1 = std::min(b0 + c.split_blocks, (c.cl[b + R - 1] - 1) / c.BS + 1);
       float *m = ml.data(), *l = ml.data() + R * H;
       int64_t next_id = -1;  // the block this thread reads next, after this item's last: paced in with the last
-      if (it + 1 < end) {
-        const int64_t v = it + 1 >= first[u + 1] ? u + 1 : u;
-        next_id = c.bt[start[v] * c.MAXNB + c.first_block(start[v]) + (it + 1 - first[v]) * c.split_blocks];
+      if (nx >= 0) {
+        const int64_t v = run_of(nx);
+        next_id = c.bt[start[v] * c.MAXNB + c.first_block(start[v]) + (nx - first[v]) * c.split_blocks];
       }
-      attend_blocks<DC>(c, src, b, R, b0, b1, s.data(), SB, m, l, acc.data(), it > begin, next_id);
+      attend_blocks<DC>(c, src, b, R, b0, b1, s.data(), SB, m, l, acc.data(), started, next_id);
       for (int64_t r = 0; r < R; ++r) {
         if (n == 1) {
           normalise(c.out + (b + r) * H * D, acc.data() + r * H * D, l + r * H, H, D);
@@ -641,7 +644,7 @@ static void decode(const Decode& c, const Src& proto) {
         }
       }
     }
-  });
+  }, 1);
   if (prow[c.B] == 0) return;
   at::parallel_for(0, c.B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w;

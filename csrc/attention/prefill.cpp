@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../ops.h"
+#include "../parallel.h"
 #include "softmax.h"
 
 namespace kvcache {
@@ -96,10 +97,10 @@ void prefill_attention(Tensor out, Tensor q, Tensor k, Tensor v, double scale) {
   });
   // work items: a KV head and a pair of query blocks, one from each end, so that the items cost about the same
   const int64_t pairs = (NQB + 1) / 2;
-  at::parallel_for(0, KVH * pairs, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(KVH * pairs, [&](WorkQueue& queue) {  // taken as threads free up (parallel.h)
     std::vector<float> qb(R * D), s(R * PKB), o(R * D), m(R), l(R);
     std::vector<vf> lsum(R);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = queue.take(); item >= 0; item = queue.take()) {
       const int64_t kh = item / pairs, t = item % pairs;
       for (int64_t which = 0; which < (t == NQB - 1 - t ? 1 : 2); ++which) {
         const int64_t qi = which ? NQB - 1 - t : t;
@@ -133,7 +134,7 @@ void prefill_attention(Tensor out, Tensor q, Tensor k, Tensor v, double scale) {
           }
       }
     }
-  });
+  }, 1);
 }
 
 }  // namespace kvcache

@@ -12,6 +12,7 @@
 
 #include "../isa.h"
 #include "../ops.h"
+#include "../parallel.h"
 
 namespace kvcache {
 
@@ -142,8 +143,8 @@ static void grouped_linear(Tensor out, Tensor x, Tensor qw, Tensor d, Tensor m) 
   const uint8_t* wp = c.wp;
   const uint16_t *dp = c.dp, *mp = c.mp;
   float* op = c.op;
-  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  parallel_items(NB, [&](WorkQueue& q) {  // blocks taken as threads free up (parallel.h)
+    for (int64_t b = q.take(); b >= 0; b = q.take()) {
       const uint8_t* wb = wp + b * (K * BITS / 32) * 64;
       const uint16_t* db = dp + b * G * 16;
       const uint16_t* mb = mp + b * G * 16;
@@ -293,30 +294,28 @@ static void grouped_linear(Tensor out, Tensor x, Tensor qw, Tensor d, Tensor m) 
   // Rows in chunks of about 96 KiB of int8 activations (L2), each chunk against all of a thread's blocks: without
   // them a prefill's activations (2,048 x 576 bytes and more) stream from L3 once per half-block.
   const int64_t chunk = std::max<int64_t>(16, (96 * 1024 / K) / 4 * 4);
-  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += chunk)
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t m1 = std::min(M, m0 + chunk);
-      const uint8_t* wb = wp + b * (K * BITS / 32) * 64;
-      const uint16_t* db = dp + b * G * 16;
-      const uint16_t* mb = mp + b * G * 16;
-      const int64_t n0 = b * 16;
-      for (int h = 0; h < 2; ++h) {
-        const int rows = (int)std::min<int64_t>(8, N - n0 - 8 * h);
-        if (rows <= 0) break;
-        int64_t t = m0;
-        for (; t + 4 <= m1; t += 4)
-          int4_tile<4, BITS>(wb, db, mb, G, qa.data() + t * K, da.data() + t * G, sa.data() + t * G, K, op + t * N + n0, N,
-                       h, rows);
-        const int8_t* a = qa.data() + t * K;
-        const float *dt = da.data() + t * G, *st = sa.data() + t * G;
-        float* o = op + t * N + n0;
-        switch (m1 - t) {
-          case 3: int4_tile<3, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
-          case 2: int4_tile<2, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
-          case 1: int4_tile<1, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
-          default: break;
-        }
+  // work items: (chunk of rows, block), chunk by chunk, taken by the threads as they free up (parallel.h)
+  parallel_each((M + chunk - 1) / chunk * NB, [&](int64_t item, int64_t) {
+    const int64_t m0 = item / NB * chunk, b = item % NB, m1 = std::min(M, m0 + chunk);
+    const uint8_t* wb = wp + b * (K * BITS / 32) * 64;
+    const uint16_t* db = dp + b * G * 16;
+    const uint16_t* mb = mp + b * G * 16;
+    const int64_t n0 = b * 16;
+    for (int h = 0; h < 2; ++h) {
+      const int rows = (int)std::min<int64_t>(8, N - n0 - 8 * h);
+      if (rows <= 0) break;
+      int64_t t = m0;
+      for (; t + 4 <= m1; t += 4)
+        int4_tile<4, BITS>(wb, db, mb, G, qa.data() + t * K, da.data() + t * G, sa.data() + t * G, K, op + t * N + n0, N,
+                     h, rows);
+      const int8_t* a = qa.data() + t * K;
+      const float *dt = da.data() + t * G, *st = sa.data() + t * G;
+      float* o = op + t * N + n0;
+      switch (m1 - t) {
+        case 3: int4_tile<3, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
+        case 2: int4_tile<2, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
+        case 1: int4_tile<1, BITS>(wb, db, mb, G, a, dt, st, K, o, N, h, rows); break;
+        default: break;
       }
     }
   });
@@ -390,8 +389,8 @@ static void grouped_block(const uint8_t* wb, const uint16_t* db, const uint16_t*
 template <int BITS>
 static void grouped_linear(Tensor out, Tensor x, Tensor qw, Tensor d, Tensor m) {
   const Int4Call c(out, x, qw, d, m, quantize_activation, BITS);
-  at::parallel_for(0, c.NB, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
+  parallel_items(c.NB, [&](WorkQueue& q) {  // blocks taken as threads free up (parallel.h)
+    for (int64_t b = q.take(); b >= 0; b = q.take())
       grouped_block<BITS>(c.wp + b * (c.K * BITS / 32) * 64, c.dp + b * c.G * 16, c.mp + b * c.G * 16, c.G,
                           c.qa.data(), c.da.data(), c.sa.data(), c.M, c.K, c.op + b * 16, c.N,
                           (int)std::min<int64_t>(16, c.N - b * 16));

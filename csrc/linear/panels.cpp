@@ -11,6 +11,7 @@
 #include "../isa.h"
 #include "../layer/activation.h"
 #include "../ops.h"
+#include "../parallel.h"
 #include "panels.h"
 
 namespace kvcache {
@@ -566,31 +567,34 @@ void panels_linear(Tensor out, const Tensor& x, const Panels& w, const char* wha
   float* op = out.data_ptr<float>();
 #if defined(KVCACHE_AVX512)
   if (M == 1 && w.w == nullptr) {  // one row: the codes decoded in registers, two panels at a time
-    at::parallel_for(0, (w.P + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) code_row(w, 2 * i, 2 * i + 1 < w.P ? 2 * i + 1 : -1, xp, op, N);
+    parallel_each((w.P + 1) / 2, [&](int64_t i, int64_t) {
+      code_row(w, 2 * i, 2 * i + 1 < w.P ? 2 * i + 1 : -1, xp, op, N);
     });
     return;
   }
 #endif
+  // work items: (chunk of rows, panel), chunk by chunk, taken by the threads as they free up (parallel.h)
+  const int64_t items = (M + chunk - 1) / chunk * w.P;
 #if defined(KVCACHE_AVX512) || defined(KVCACHE_AVX2)
   if (w.w == nullptr) {  // blocks of rows, the codes decoded in registers once per input and block
-    at::parallel_for(0, w.P, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c0 = 0; c0 < M; c0 += chunk)
-        for (int64_t p = begin; p < end; ++p)
-          code_pass(w, p, xp + c0 * K, std::min(M, c0 + chunk) - c0, op + c0 * N + p * PANEL, N,
-                    std::min(PANEL, N - p * PANEL));
+    parallel_each(items, [&](int64_t i, int64_t) {
+      const int64_t c0 = i / w.P * chunk, p = i % w.P;
+      code_pass(w, p, xp + c0 * K, std::min(M, c0 + chunk) - c0, op + c0 * N + p * PANEL, N,
+                std::min(PANEL, N - p * PANEL));
     });
     return;
   }
 #endif
-  at::parallel_for(0, w.P, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(items, [&](WorkQueue& q) {
     std::vector<float> buf(w.buffer());
-    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
-      const int64_t rows = std::min(M, c0 + chunk) - c0;
-      const float* xr = pass_rows(xp + c0 * K, K, rows);
-      for (int64_t p = begin; p < end; ++p)
-        panel_pass(xr, K, rows, w.get(p, buf.data()), w.ahead(p, end), op + c0 * N + p * PANEL, N,
-                   std::min(PANEL, N - p * PANEL));
+    const float* xr = nullptr;
+    for (int64_t i = q.take(), next, packed = -1; i >= 0; i = next) {
+      next = q.take();
+      const int64_t c0 = i / w.P * chunk, p = i % w.P, rows = std::min(M, c0 + chunk) - c0;
+      if (c0 != packed) xr = pass_rows(xp + c0 * K, K, rows);  // the thread's rows, packed once a chunk
+      packed = c0;
+      panel_pass(xr, K, rows, w.get(p, buf.data()), w.ahead(next >= 0 ? next % w.P : -1), op + c0 * N + p * PANEL,
+                 N, std::min(PANEL, N - p * PANEL));
     }
   });
 }
@@ -647,9 +651,9 @@ void panels_gate_up_silu(Tensor act, const Tensor& x, const Panels& w) {
   float* ap = act.data_ptr<float>();
 #if defined(KVCACHE_AVX512)
   if (M == 1 && w.w == nullptr) {  // one row: gate panel j and up panel j side by side, decoded in registers
-    at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
+    parallel_items(half, [&](WorkQueue& q) {
       alignas(64) float up[PANEL];
-      for (int64_t j = begin; j < end; ++j) {
+      for (int64_t j = q.take(); j >= 0; j = q.take()) {
         const int64_t p[2] = {j, j + half}, cols[2] = {PANEL, PANEL};
         float* const out[2] = {ap + j * PANEL, up};
         code_row(w, p, xp, out, cols);
@@ -659,35 +663,36 @@ void panels_gate_up_silu(Tensor act, const Tensor& x, const Panels& w) {
     return;
   }
 #endif
+  // work items: (chunk of rows, pair of panels), chunk by chunk, taken by the threads as they free up (parallel.h)
+  const int64_t items = (M + chunk - 1) / chunk * half;
 #if defined(KVCACHE_AVX512) || defined(KVCACHE_AVX2)
   if (w.w == nullptr) {
-    at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
+    parallel_items(items, [&](WorkQueue& q) {
       std::vector<float> up(std::min(chunk, M) * PANEL);
-      for (int64_t c0 = 0; c0 < M; c0 += chunk) {
-        const int64_t rows = std::min(M, c0 + chunk) - c0;
-        for (int64_t j = begin; j < end; ++j) {
-          float* a = ap + c0 * I + j * PANEL;
-          code_pass(w, j, xp + c0 * K, rows, a, I, PANEL);
-          code_pass(w, j + half, xp + c0 * K, rows, up.data(), PANEL, PANEL);
-          for (int64_t r = 0; r < rows; ++r) silu_mul_span(a + r * I, up.data() + r * PANEL, a + r * I, PANEL, vec);
-        }
+      for (int64_t i = q.take(); i >= 0; i = q.take()) {
+        const int64_t c0 = i / half * chunk, j = i % half, rows = std::min(M, c0 + chunk) - c0;
+        float* a = ap + c0 * I + j * PANEL;
+        code_pass(w, j, xp + c0 * K, rows, a, I, PANEL);
+        code_pass(w, j + half, xp + c0 * K, rows, up.data(), PANEL, PANEL);
+        for (int64_t r = 0; r < rows; ++r) silu_mul_span(a + r * I, up.data() + r * PANEL, a + r * I, PANEL, vec);
       }
     });
     return;
   }
 #endif
-  at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(items, [&](WorkQueue& q) {
     std::vector<float> up(std::min(chunk, M) * PANEL), gbuf(w.buffer()), ubuf(w.buffer());
-    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
-      const int64_t rows = std::min(M, c0 + chunk) - c0;
-      const float* xr = pass_rows(xp + c0 * K, K, rows);
-      for (int64_t j = begin; j < end; ++j) {
-        const float *gate = w.get(j, gbuf.data()), *upw = w.get(j + half, ubuf.data());
-        float* a = ap + c0 * I + j * PANEL;
-        panel_pass(xr, K, rows, gate, w.w != nullptr ? upw : nullptr, a, I, PANEL);
-        panel_pass(xr, K, rows, upw, w.ahead(j, end), up.data(), PANEL, PANEL);
-        for (int64_t r = 0; r < rows; ++r) silu_mul_span(a + r * I, up.data() + r * PANEL, a + r * I, PANEL, vec);
-      }
+    const float* xr = nullptr;
+    for (int64_t i = q.take(), next, packed = -1; i >= 0; i = next) {
+      next = q.take();
+      const int64_t c0 = i / half * chunk, j = i % half, rows = std::min(M, c0 + chunk) - c0;
+      if (c0 != packed) xr = pass_rows(xp + c0 * K, K, rows);  // the thread's rows, packed once a chunk
+      packed = c0;
+      const float *gate = w.get(j, gbuf.data()), *upw = w.get(j + half, ubuf.data());
+      float* a = ap + c0 * I + j * PANEL;
+      panel_pass(xr, K, rows, gate, w.w != nullptr ? upw : nullptr, a, I, PANEL);
+      panel_pass(xr, K, rows, upw, w.ahead(next >= 0 ? next % half : -1), up.data(), PANEL, PANEL);
+      for (int64_t r = 0; r < rows; ++r) silu_mul_span(a + r * I, up.data() + r * PANEL, a + r * I, PANEL, vec);
     }
   });
 }

@@ -59,10 +59,8 @@ struct Panels {
       }
     }
   }
-  // the panel to read ahead after p, among a thread's panels [.., end): float32 ones only
-  const float* ahead(int64_t p, int64_t end) const {
-    return w != nullptr && p + 1 < end ? w + (p + 1) * K * PANEL : nullptr;
-  }
+  // panel p (-1: none) as a float32 one to read ahead, or null: float32 panels only
+  const float* ahead(int64_t p) const { return w != nullptr && p >= 0 ? w + p * K * PANEL : nullptr; }
   int64_t buffer() const { return w != nullptr ? 0 : K * PANEL; }  // floats get's buf needs
 };
 

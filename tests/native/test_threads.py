@@ -42,7 +42,7 @@ def _same(results):
         assert torch.equal(r, results[0]), f"{t} threads gave other floats than 1"
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 64])
+@pytest.mark.parametrize("rows", [1, 5, 8, 64, 600])  # 600: chunks of rows (227 at K = 576) times panels
 def test_linear_kernels_give_the_same_floats_at_every_thread_count(kernels, threads, rows):
     n, k = 232, 576  # 7.25 panels of 32: no even split between 2, 3 or 4 threads
     g = torch.Generator().manual_seed(rows)
@@ -68,6 +68,19 @@ def test_linear_kernels_give_the_same_floats_at_every_thread_count(kernels, thre
         kernels.code_panel_linear(out, x, *code_panels)
         return out
     _same(threads(code))
+
+    wg = torch.randn(256, k, generator=g)  # gate 128 | up 128: 4 pairs of panels
+    gate_up = cpu_kernels.pack_panels(wg, kernels)
+
+    def silu():
+        act = torch.empty(rows, 128)
+        kernels.gate_up_silu(act, x, gate_up)
+        return act
+    acts = threads(silu)
+    _same(acts)
+    gate, up = (x.double() @ wg.double().t()).split(128, 1)
+    ref = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(acts[0].double(), ref, atol=1e-5 * k ** 0.5 * ref.abs().max().item(), rtol=0)
 
     layer = Int4Dense(k, n, bias=False)
     with torch.no_grad():
