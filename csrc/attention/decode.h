@@ -530,9 +530,11 @@ static void attend_blocks(const Decode& c, Src& src, int64_t b, int64_t R, int64
   std::fill(acc, acc + R * H * D, 0.f);
   src.seq(b);
   // a block's work is 2 R H calls (scores and weighted_sum per row and head): its successor's lines are issued over
-  // the first half of them. The item's first block came in with the previous item's last where this thread ran one
-  // (`started`); this item's last block brings in the next item's first (`next_id`, -1: none).
-  Prefetcher pf(R * H);
+  // all of them (issued over the scores alone, they came in bursts that stalled on the core's full miss buffers:
+  // docs/kernels.md). The item's first block
+  // came in with the previous item's last where this thread ran one (`started`); this item's last block brings in
+  // the next item's first (`next_id`, -1: none).
+  Prefetcher pf(2 * R * H);
   for (int64_t bi = bi0 + (started ? 1 : 0); bi < std::min(bi0 + PF_AHEAD, bi1); ++bi) {
     src.prefetch(pf, table[bi]);
     pf.flush();
