@@ -471,24 +471,36 @@ static inline void scores(float* s, const float* q, const float* k, int64_t stri
   }
 }
 
+#ifdef KVCACHE_AVX2
+// acc [8 NV] += sum over i of p[i] * v_{t0 + i} [8 NV], the NV accumulators in registers (NV <= 8: with the
+// broadcast, 9 of AVX2's 16)
+template <int64_t NV>
+static inline void weighted_sum8(float* acc, const float* p, const float* v, int64_t stride, int64_t t0, int64_t t1) {
+  __m256 av[NV];
+  for (int64_t u = 0; u < NV; ++u) av[u] = _mm256_loadu_ps(acc + 8 * u);
+  for (int64_t t = t0; t < t1; ++t) {
+    const __m256 wv = _mm256_broadcast_ss(p + (t - t0));
+    const float* vt = v + t * stride;
+#pragma GCC unroll 8
+    for (int64_t u = 0; u < NV; ++u) av[u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vt + 8 * u), av[u]);
+  }
+  for (int64_t u = 0; u < NV; ++u) _mm256_storeu_ps(acc + 8 * u, av[u]);
+}
+#endif
+
 // acc [D] += sum over i of p[i] * v_{t0 + i} for the values at v + t * stride; acc in registers where D is known.
 template <int64_t DC>
 static inline void weighted_sum(float* acc, const float* p, const float* v, int64_t stride, int64_t t0, int64_t t1,
                                 int64_t Drt) {
 #ifdef KVCACHE_AVX2
   // AVX2: GCC builds a 16-wide broadcast through 16 stores to the stack and reloads (a store-forwarding stall per
-  // value, most of this kernel's time): 8-wide accumulators and a real broadcast instead
+  // value, most of this kernel's time): 8-wide accumulators and a real broadcast instead. Past 64 floats, in two
+  // passes over the tokens: 16 accumulators and the broadcast do not fit in 16 registers, and D = 128's two spilled
+  // accumulators went through the stack at every token (a store and a reload in their chains: docs/kernels.md).
   if constexpr (DC > 0 && DC % 8 == 0 && DC <= 128) {
-    constexpr int64_t NV = DC / 8;
-    __m256 av[NV];
-    for (int64_t u = 0; u < NV; ++u) av[u] = _mm256_loadu_ps(acc + 8 * u);
-    for (int64_t t = t0; t < t1; ++t) {
-      const __m256 wv = _mm256_broadcast_ss(p + (t - t0));
-      const float* vt = v + t * stride;
-#pragma GCC unroll 16
-      for (int64_t u = 0; u < NV; ++u) av[u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vt + 8 * u), av[u]);
-    }
-    for (int64_t u = 0; u < NV; ++u) _mm256_storeu_ps(acc + 8 * u, av[u]);
+    constexpr int64_t NV = DC / 8, FIRST = NV <= 8 ? NV : (NV + 1) / 2;
+    weighted_sum8<FIRST>(acc, p, v, stride, t0, t1);
+    if constexpr (NV > FIRST) weighted_sum8<NV - FIRST>(acc + 8 * FIRST, p, v + 8 * FIRST, stride, t0, t1);
     return;
   }
 #endif

@@ -109,10 +109,13 @@ def test_paged_attention_matches_reference(seqs, block_size, heads, head_dim, wi
 @given(seqs=st.lists(seq_strategy, min_size=1, max_size=6),
        block_size=st.sampled_from([1, 2, 4, 8, 16]),
        heads=head_configs,
-       head_dim=st.sampled_from([8, 16, 64]),
+       head_dim=st.sampled_from([8, 16, 64, 128]),
        window=st.one_of(st.none(), st.integers(1, 30)),
        seed=st.integers(0, 2**16), softcap=st.sampled_from([None, None, 0.5, 3.0]),
        split=st.sampled_from([1, 3, 16, cpu_kernel.SPLIT_TOKENS]))
+# head size 128 (Llama's): the AVX2 weighted sum in two passes of 64; 4 query heads a KV head
+@example(seqs=[(100, 1), (17, 1)], block_size=16, heads=(8, 2), head_dim=128, window=None, seed=0, softcap=None,
+         split=cpu_kernel.SPLIT_TOKENS)
 def test_cpu_kernel_matches_reference(cpu_isa, seqs, block_size, heads, head_dim, window, seed, softcap, split):
     """The C++ decode kernel reads blocks straight from the store: same answers, no padding; soft-capped scores
     (Gemma-2) too; contexts cut into splits of `split` tokens (whole blocks) and combined."""
