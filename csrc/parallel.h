@@ -18,7 +18,8 @@ namespace kvcache {
 // panels), and the short last ones keep the threads finishing together (docs/kernels.md).
 class ItemPool {
  public:
-  ItemPool(int64_t n, int64_t threads, int64_t least) : n_(n), parts_(2 * threads), least_(std::max<int64_t>(1, least)) {}
+  ItemPool(int64_t n, int64_t threads, int64_t least)
+      : n_(n), parts_(2 * threads), least_(std::max<int64_t>(1, least)) {}
   // Takes the next run into [first, end); false when no item is left
   bool take(int64_t& first, int64_t& end) {
     int64_t at = next_.load(std::memory_order_relaxed);

@@ -306,8 +306,8 @@ static void grouped_linear(Tensor out, Tensor x, Tensor qw, Tensor d, Tensor m) 
       if (rows <= 0) break;
       int64_t t = m0;
       for (; t + 4 <= m1; t += 4)
-        int4_tile<4, BITS>(wb, db, mb, G, qa.data() + t * K, da.data() + t * G, sa.data() + t * G, K, op + t * N + n0, N,
-                     h, rows);
+        int4_tile<4, BITS>(wb, db, mb, G, qa.data() + t * K, da.data() + t * G, sa.data() + t * G, K, op + t * N + n0,
+                           N, h, rows);
       const int8_t* a = qa.data() + t * K;
       const float *dt = da.data() + t * G, *st = sa.data() + t * G;
       float* o = op + t * N + n0;
