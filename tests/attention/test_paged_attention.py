@@ -148,7 +148,7 @@ def test_cpu_kernel_row_does_not_depend_on_its_batch(cpu_isa):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 12])
+@pytest.mark.parametrize("d", [64, 128, 12])
 def test_cpu_kernel_reads_a_half_precision_store_as_its_float32_widening(cpu_isa, dtype, d):
     """Over a float16 or bfloat16 store the decode kernel widens each value as it reads it: every output is bit for
     bit what it gives over the same values stored in float32 (head size 12: the widening's tail past 8 lanes too),

@@ -142,10 +142,11 @@ def test_cpu_kernel_decodes_quantized_blocks(cpu_isa, dtype, splits):
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2"])
-@pytest.mark.parametrize("head_dim", [24, 48])
+@pytest.mark.parametrize("head_dim", [24, 48, 64, 128])
 def test_cpu_kernel_decodes_other_head_sizes(cpu_isa, dtype, head_dim, monkeypatch):
     """The kernel decodes a head 16 codes at a time where its size is a multiple of 16 (48: KIVI's value groups of
-    48 too), one at a time otherwise (24): both give the dense reference's answers."""
+    48 too), one at a time otherwise (24): both give the dense reference's answers; so do the head sizes it is
+    compiled for (64, 128: the weighted sum's two passes on AVX2)."""
     monkeypatch.setitem(globals(), "D", head_dim)  # _data, _run and _reference read the module's head size
     q, k, v = _data(100, seed=3)
     bs = 64 if dtype in ("int4", "int2") else 16
