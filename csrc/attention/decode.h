@@ -543,9 +543,8 @@ static void attend_blocks(const Decode& c, Src& src, int64_t b, int64_t R, int64
   src.seq(b);
   // a block's work is 2 R H calls (scores and weighted_sum per row and head): its successor's lines are issued over
   // all of them (issued over the scores alone, they came in bursts that stalled on the core's full miss buffers:
-  // docs/kernels.md). The item's first block
-  // came in with the previous item's last where this thread ran one (`started`); this item's last block brings in
-  // the next item's first (`next_id`, -1: none).
+  // docs/kernels.md). The item's first block came in with the previous item's last where this thread ran one
+  // (`started`); this item's last block brings in the next item's first (`next_id`, -1: none).
   Prefetcher pf(2 * R * H);
   for (int64_t bi = bi0 + (started ? 1 : 0); bi < std::min(bi0 + PF_AHEAD, bi1); ++bi) {
     src.prefetch(pf, table[bi]);
@@ -634,8 +633,7 @@ static void decode(const Decode& c, const Src& proto) {
     const int64_t SB = (c.BS + 15) / 16 * 16;  // a head's scores, padded for lane_sums' 16 at a time
     std::vector<float> s(most * H * SB), ml(2 * most * H), acc(most * H * D);
     bool started = false;  // this thread ran an item before, which read this one's first block in with its last
-    for (int64_t it = q.take(), nx; it >= 0; it = nx, started = true) {
-      nx = q.take();
+    q.each([&](int64_t it, int64_t nx) {
       const int64_t u = run_of(it);
       const int64_t b = start[u], R = size[u], n = first[u + 1] - first[u], sp = it - first[u];
       const int64_t b0 = c.first_block(b) + sp * c.split_blocks;
@@ -657,8 +655,9 @@ static void decode(const Decode& c, const Src& proto) {
           std::copy(acc.data() + r * H * D, acc.data() + (r + 1) * H * D, p + 2 * H);
         }
       }
-    }
-  }, 1);
+      started = true;
+    });
+  });
   if (prow[c.B] == 0) return;
   at::parallel_for(0, c.B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w;

@@ -134,7 +134,7 @@ void prefill_attention(Tensor out, Tensor q, Tensor k, Tensor v, double scale) {
           }
       }
     }
-  }, 1);
+  });
 }
 
 }  // namespace kvcache

@@ -588,14 +588,14 @@ void panels_linear(Tensor out, const Tensor& x, const Panels& w, const char* wha
   parallel_items(items, [&](WorkQueue& q) {
     std::vector<float> buf(w.buffer());
     const float* xr = nullptr;
-    for (int64_t i = q.take(), next, packed = -1; i >= 0; i = next) {
-      next = q.take();
+    int64_t packed = -1;
+    q.each([&](int64_t i, int64_t next) {
       const int64_t c0 = i / w.P * chunk, p = i % w.P, rows = std::min(M, c0 + chunk) - c0;
       if (c0 != packed) xr = pass_rows(xp + c0 * K, K, rows);  // the thread's rows, packed once a chunk
       packed = c0;
       panel_pass(xr, K, rows, w.get(p, buf.data()), w.ahead(next >= 0 ? next % w.P : -1), op + c0 * N + p * PANEL,
                  N, std::min(PANEL, N - p * PANEL));
-    }
+    });
   });
 }
 
@@ -683,8 +683,8 @@ void panels_gate_up_silu(Tensor act, const Tensor& x, const Panels& w) {
   parallel_items(items, [&](WorkQueue& q) {
     std::vector<float> up(std::min(chunk, M) * PANEL), gbuf(w.buffer()), ubuf(w.buffer());
     const float* xr = nullptr;
-    for (int64_t i = q.take(), next, packed = -1; i >= 0; i = next) {
-      next = q.take();
+    int64_t packed = -1;
+    q.each([&](int64_t i, int64_t next) {
       const int64_t c0 = i / half * chunk, j = i % half, rows = std::min(M, c0 + chunk) - c0;
       if (c0 != packed) xr = pass_rows(xp + c0 * K, K, rows);  // the thread's rows, packed once a chunk
       packed = c0;
@@ -693,7 +693,7 @@ void panels_gate_up_silu(Tensor act, const Tensor& x, const Panels& w) {
       panel_pass(xr, K, rows, gate, w.w != nullptr ? upw : nullptr, a, I, PANEL);
       panel_pass(xr, K, rows, upw, w.ahead(next >= 0 ? next % half : -1), up.data(), PANEL, PANEL);
       for (int64_t r = 0; r < rows; ++r) silu_mul_span(a + r * I, up.data() + r * PANEL, a + r * I, PANEL, vec);
-    }
+    });
   });
 }
 
